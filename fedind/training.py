@@ -1,0 +1,117 @@
+"""Local training and evaluation loops (CPU, or CUDA with bf16 autocast)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .data.format import SiteArrays
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    """``auto`` takes CUDA when present; ``cpu`` / ``cuda`` force it."""
+    if preference not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"Invalid device: {preference!r} (auto, cpu or cuda)")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    if preference == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(preference)
+
+
+def cosine_lr(base_lr: float, progress: float, final_ratio: float = 0.02) -> float:
+    """Cosine decay from ``base_lr`` (progress 0) to ``final_ratio * base_lr`` (progress 1)."""
+    progress = min(max(progress, 0.0), 1.0)
+    return base_lr * (final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _autocast(device: torch.device):
+    # bf16 needs no loss scaling; CPU runs in float32 for bit-exact determinism.
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    loss: float  # mean training loss over the local steps
+    steps: int
+
+
+def train_local(
+    model: nn.Module,
+    data: SiteArrays,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    device: torch.device,
+    momentum: float = 0.9,
+    weight_decay: float = 1e-4,
+    proximal_mu: float = 0.0,
+) -> TrainResult:
+    """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
+
+    ``proximal_mu > 0`` adds FedProx's ``mu/2 * ||w - w_global||^2`` to the loss, with
+    ``w_global`` the weights the model had on entry.
+    """
+    model.to(device).train()
+    x = torch.from_numpy(data.x).to(device)
+    y = torch.from_numpy(data.y).to(device)
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    generator = torch.Generator().manual_seed(seed)
+    loss_fn = nn.CrossEntropyLoss()
+    total, steps = 0.0, 0
+    for _ in range(epochs):
+        order = torch.randperm(len(y), generator=generator).to(device)
+        for start in range(0, len(y), batch_size):
+            batch = order[start : start + batch_size]
+            with _autocast(device):
+                loss = loss_fn(model(x[batch]), y[batch])
+            if anchor is not None:
+                prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+                loss = loss + 0.5 * proximal_mu * prox
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
+            steps += 1
+    return TrainResult(loss=total / max(steps, 1), steps=steps)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    accuracy: float
+    num_examples: int
+    confusion: np.ndarray  # [num_classes, num_classes], rows = true class
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: SiteArrays, device: torch.device, batch_size: int = 512) -> EvalResult:
+    model.to(device).eval()
+    num_classes = model.head.out_features
+    confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
+    total_loss = 0.0
+    for start in range(0, data.num_examples, batch_size):
+        x = torch.from_numpy(data.x[start : start + batch_size]).to(device)
+        y = torch.from_numpy(data.y[start : start + batch_size]).to(device)
+        with _autocast(device):
+            logits = model(x)
+        total_loss += float(nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
+        pred = logits.argmax(dim=1).cpu().numpy()
+        np.add.at(confusion, (data.y[start : start + batch_size], pred), 1)
+    n = max(data.num_examples, 1)
+    return EvalResult(
+        loss=total_loss / n,
+        accuracy=float(np.trace(confusion)) / n,
+        num_examples=data.num_examples,
+        confusion=confusion,
+    )
