@@ -37,10 +37,10 @@ FTF = 0.5 * (1 - _RATIO)  # cage (fundamental train) ≈ 0.398 f_r
 FAULT_TYPES = ("inner-race", "ball", "outer-race")
 DEFECT_SIZES_IN = (0.007, 0.014, 0.021)  # CWRU defect diameters, inches
 # Impact amplitude (relative to the 1x shaft component) for each defect size.
-SEVERITY_AMPLITUDE = (1.2, 2.2, 3.5)
+SEVERITY_AMPLITUDE = (1.5, 3.0, 6.0)
 # Transmission path: outer-race impacts reach the sensor directly; inner-race and ball
 # impacts pass through rolling contacts that damp them more (shorter ringing).
-PATH_DAMPING = {"inner-race": 1.8, "ball": 1.4, "outer-race": 1.0}
+PATH_DAMPING = {"inner-race": 2.5, "ball": 1.6, "outer-race": 1.0}
 
 CLASS_NAMES: tuple[str, ...] = ("healthy",) + tuple(
     f"{fault}-{size:.3f}" for fault in FAULT_TYPES for size in DEFECT_SIZES_IN
@@ -66,13 +66,13 @@ class Regime:
 
 
 def sample_regime(rng: np.random.Generator) -> Regime:
-    """Draw a plausible production-line regime (speeds 900-1800 rpm, 8-16 kHz)."""
-    sample_rate = float(rng.choice([8000.0, 12000.0, 16000.0]))
+    """Draw a plausible production-line regime (1200-1800 rpm, 12 or 16 kHz sensors)."""
+    sample_rate = float(rng.choice([12000.0, 16000.0]))
     return Regime(
-        shaft_hz=float(rng.uniform(15.0, 30.0)),
+        shaft_hz=float(rng.uniform(20.0, 30.0)),
         sample_rate=sample_rate,
-        resonance_hz=float(rng.uniform(0.12, 0.3) * sample_rate),
-        damping=float(rng.uniform(0.03, 0.08)),
+        resonance_hz=float(rng.uniform(0.15, 0.25) * sample_rate),
+        damping=float(rng.uniform(0.04, 0.06)),
         gain=float(np.exp(rng.uniform(np.log(0.2), np.log(5.0)))),
         offset=float(rng.uniform(-2.0, 2.0)),
         noise_std=float(rng.uniform(0.1, 0.35)),
@@ -113,10 +113,10 @@ def _impacts(label: int, regime: Regime, length: int, rng: np.random.Generator) 
     times = positions / regime.sample_rate
     phase = rng.uniform(0, 2 * np.pi)
     if FAULT_TYPES[fault] == "inner-race":
-        amplitude = severity * (0.6 + 0.4 * np.cos(2 * np.pi * f_r * times + phase))
+        amplitude = severity * (0.75 + 0.25 * np.cos(2 * np.pi * f_r * times + phase))
     elif FAULT_TYPES[fault] == "ball":
-        cage = 0.5 + 0.5 * np.cos(2 * np.pi * FTF * f_r * times + phase)
-        amplitude = severity * cage * rng.lognormal(0.0, 0.4, count)
+        cage = 0.8 + 0.2 * np.cos(2 * np.pi * FTF * f_r * times + phase)
+        amplitude = severity * cage * rng.lognormal(0.0, 0.2, count)
     else:
         amplitude = severity * rng.uniform(0.9, 1.1, count)
     inside = (positions >= 0) & (positions < length)

@@ -1,0 +1,107 @@
+"""The run configuration: read once from Flower's run config into a frozen dataclass.
+
+Keys are the kebab-case names of ``[tool.flwr.app.config]`` in pyproject.toml; each field
+below documents one. Invalid values fail here, before any round runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .data.federation import FederationSpec
+
+STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam")
+
+
+class ConfigError(ValueError):
+    """A run-config value that cannot work; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    num_server_rounds: int = 30  # federated rounds
+    local_epochs: int = 1  # passes over the site's data per round
+    batch_size: int = 32
+    learning_rate: float = 0.02  # site SGD learning rate at round 1 (cosine decay over the run)
+    strategy: str = "fedavg"  # one of STRATEGIES
+    fraction_train: float = 1.0  # share of sites sampled per round
+    data_root: str = ""  # site data folder (DESIGN.md format); empty = synthetic sites
+    num_sites: int = 10  # synthetic sites (ignored with data-root: the folder decides)
+    dirichlet_alpha: float = 0.3  # label skew of synthetic sites (smaller = more skewed)
+    samples_per_site: int = 300  # mean windows per synthetic site
+    seed: int = 0
+    run_dir: str = "runs"  # results go to run-dir/<run-name>/
+    run_name: str = ""  # empty = <strategy>-<timestamp>
+    target_accuracy: float = 0.8  # rounds-to-target is reported for this global accuracy
+    model_width: int = 32  # channels of the first conv layer of FaultCNN
+    proximal_mu: float = 0.01  # fedprox only
+    server_learning_rate: float = 1.0  # fedavgm and fedadam only
+    server_momentum: float = 0.9  # fedavgm only
+    fedadam_eta: float = 0.01  # fedadam server learning rate
+    fedadam_tau: float = 0.001  # fedadam adaptivity (larger = closer to FedAvgM)
+    device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
+    round_timeout: float = 600.0  # seconds to wait for site replies in a round
+
+    def __post_init__(self) -> None:
+        checks = {
+            "num-server-rounds": self.num_server_rounds >= 1,
+            "local-epochs": self.local_epochs >= 1,
+            "batch-size": self.batch_size >= 1,
+            "learning-rate": self.learning_rate > 0,
+            "strategy": self.strategy in STRATEGIES,
+            "fraction-train": 0 < self.fraction_train <= 1,
+            "num-sites": self.num_sites >= 1,
+            "dirichlet-alpha": self.dirichlet_alpha > 0,
+            "samples-per-site": self.samples_per_site >= 20,
+            "target-accuracy": 0 < self.target_accuracy <= 1,
+            "model-width": self.model_width >= 4 and self.model_width % 4 == 0,
+            "proximal-mu": self.proximal_mu >= 0,
+            "server-learning-rate": self.server_learning_rate > 0,
+            "server-momentum": 0 <= self.server_momentum < 1,
+            "fedadam-eta": self.fedadam_eta > 0,
+            "fedadam-tau": self.fedadam_tau > 0,
+            "device": self.device in ("auto", "cpu", "cuda"),
+            "round-timeout": self.round_timeout > 0,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                value = getattr(self, key.replace("-", "_"))
+                hint = f" (choose from {', '.join(STRATEGIES)})" if key == "strategy" else ""
+                raise ConfigError(f"Invalid run config {key} = {value!r}{hint}")
+
+    @classmethod
+    def from_flower(cls, run_config: Mapping[str, Any]) -> "RunConfig":
+        """Parse Flower's run config (kebab-case keys); unknown keys are an error."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in run_config.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ConfigError(f"Unknown run config key {key!r}")
+            values[name] = _coerce(key, value, type(fields[name].default))
+        return cls(**values)
+
+    def to_flower(self) -> dict[str, Any]:
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def federation_spec(self) -> FederationSpec:
+        return FederationSpec(
+            num_sites=self.num_sites,
+            alpha=self.dirichlet_alpha,
+            samples_per_site=self.samples_per_site,
+            seed=self.seed,
+        )
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    # TOML gives int for "1" where a float is meant; never silently turn text into numbers.
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"Invalid run config {key} = {value!r}: expected {kind.__name__}")
+    return value

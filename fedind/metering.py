@@ -1,0 +1,106 @@
+"""A Grid wrapper that counts what crosses the wire and who answered, round by round."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from flwr.app import Message, RecordDict
+from flwr.common.serde import recorddict_to_proto
+from flwr.serverapp import Grid
+
+from . import wire
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Size of a message's content as serialized (protobuf) for transport."""
+    return recorddict_to_proto(content).ByteSize()
+
+
+@dataclass
+class SiteReply:
+    site_id: str
+    node_id: int
+    message_type: str
+    metrics: dict
+
+
+@dataclass
+class Traffic:
+    """What happened on the wire since the last ``take()``."""
+
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    messages_sent: int = 0
+    replies: list[SiteReply] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # "node <id>: <reason>"
+    started: float = field(default_factory=time.monotonic)
+
+
+class MeteredGrid(Grid):
+    """Delegates to a Flower ``Grid``; records payload bytes, replies and failures."""
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid = grid
+        self._traffic = Traffic()
+
+    def take(self) -> Traffic:
+        """Return the traffic recorded so far and start a new tally."""
+        traffic, self._traffic = self._traffic, Traffic()
+        return traffic
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        for message in messages:
+            self._traffic.downlink_bytes += payload_bytes(message.content)
+        self._traffic.messages_sent += len(messages)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        answered = set()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            answered.add(node)
+            if reply.has_error():
+                self._traffic.failures.append(f"node {node}: {reply.error.reason}")
+                continue
+            self._traffic.uplink_bytes += payload_bytes(reply.content)
+            self._traffic.replies.append(_describe(reply))
+        for message in messages:
+            if message.metadata.dst_node_id not in answered:
+                self._traffic.failures.append(f"node {message.metadata.dst_node_id}: no reply (timeout)")
+        return replies
+
+    # Plain delegation below.
+    def set_run(self, run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self):
+        return self._grid.run
+
+    def create_message(self, *args, **kwargs) -> Message:
+        return self._grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self._grid.get_node_ids()
+
+    def get_nodes(self):
+        return self._grid.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._grid.pull_messages(message_ids)
+
+
+def _describe(reply: Message) -> SiteReply:
+    content = reply.content
+    site = content.config_records.get(wire.SITE)
+    metrics = next(iter(content.metric_records.values()), None)
+    return SiteReply(
+        site_id=str(site[wire.SITE_ID]) if site and wire.SITE_ID in site else f"node-{reply.metadata.src_node_id}",
+        node_id=reply.metadata.src_node_id,
+        message_type=reply.metadata.message_type,
+        metrics=dict(metrics) if metrics is not None else {},
+    )

@@ -1,0 +1,198 @@
+"""The server: run the configured strategy over the sites, evaluate, write the results folder."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from logging import INFO
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from . import wire
+from .config import ConfigError, RunConfig
+from .data.format import SiteArrays
+from .data.sources import check_data_root, global_test_set
+from .data.synthetic import NUM_CLASSES
+from .metering import MeteredGrid, Traffic
+from .models import FaultCNN
+from .results import RoundRow, RunRecorder, package_versions, rounds_to_target, save_model
+from .strategies import build_strategy
+from .training import evaluate, pick_device
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_server(grid, RunConfig.from_flower(context.run_config))
+
+
+def federation_shape(config: RunConfig) -> tuple[int, int, tuple[int, int]]:
+    """(number of sites, classes, [C, L]) — validating data-root before any round."""
+    if config.data_root:
+        info = check_data_root(config.data_root)
+        return len(info["sites"]), int(info["num_classes"]), tuple(info["sample_shape"])
+    spec = config.federation_spec()
+    return spec.num_sites, NUM_CLASSES, (1, spec.window)
+
+
+def wait_for_sites(grid: Grid, expected: int, timeout: float) -> list[int]:
+    """Block until ``expected`` SuperNodes are connected; a different count is an error."""
+    deadline = time.monotonic() + timeout
+    while len(nodes := list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if len(nodes) != expected:
+        raise ConfigError(
+            f"the federation has {expected} sites but {len(nodes)} SuperNodes are connected; "
+            f"in simulation run with --federation-config 'num-supernodes={expected}'"
+        )
+    return sorted(nodes)
+
+
+def run_server(grid: Grid, config: RunConfig) -> dict:
+    num_sites, num_classes, (channels, _) = federation_shape(config)
+    test_set = global_test_set(config.federation_spec(), config.data_root)
+    node_ids = wait_for_sites(grid, num_sites, timeout=60.0)
+    device = pick_device(config.device)
+    torch.manual_seed(config.seed)
+    model = FaultCNN(in_channels=channels, num_classes=num_classes, width=config.model_width)
+    initial = ArrayRecord(model.state_dict())
+    folder = Path(config.run_dir) / (config.run_name or f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    recorder = RunRecorder(folder)
+    metered = MeteredGrid(grid)
+    strategy = build_strategy(config, num_sites)
+    clock = {"round": time.monotonic()}
+    run_config_json = json.dumps(config.to_flower())
+
+    def evaluate_round(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        accuracy, loss = _score(arrays, test_set, device)
+        traffic = metered.take()
+        if server_round == 0:
+            recorder.initial_accuracy = accuracy
+        else:
+            row = _round_row(server_round, accuracy, loss, traffic, time.monotonic() - clock["round"])
+            recorder.add(row)
+            log(
+                INFO,
+                "round %d/%d  accuracy %.4f  loss %.4f  sites %d  failed %d  up %.2f MB  down %.2f MB  %.1f s",
+                server_round, config.num_server_rounds, accuracy, loss, row.sites, row.failures,
+                row.uplink_bytes / 1e6, row.downlink_bytes / 1e6, row.seconds,
+            )
+            for failure in traffic.failures:
+                log(INFO, "  failed: %s", failure)
+        clock["round"] = time.monotonic()
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
+
+    started = time.monotonic()
+    result = strategy.start(
+        grid=metered,
+        initial_arrays=initial,
+        num_rounds=config.num_server_rounds,
+        timeout=config.round_timeout,
+        train_config=ConfigRecord({wire.RUN_CONFIG: run_config_json}),
+        evaluate_fn=evaluate_round,
+    )
+    per_site = evaluate_at_sites(metered, node_ids, result.arrays, run_config_json, config.round_timeout)
+    summary = _finish(config, recorder, result.arrays, per_site, time.monotonic() - started, num_sites)
+    log(INFO, "%s", format_summary(summary, folder))
+    return summary
+
+
+def _score(arrays: ArrayRecord, test_set: SiteArrays | None, device: torch.device) -> tuple[float, float]:
+    if test_set is None:
+        return float("nan"), float("nan")
+    result = evaluate(FaultCNN.from_state_dict(arrays.to_torch_state_dict()), test_set, device)
+    return result.accuracy, result.loss
+
+
+def _round_row(server_round: int, accuracy: float, loss: float, traffic: Traffic, seconds: float) -> RoundRow:
+    trained = [r for r in traffic.replies if r.message_type == MessageType.TRAIN]
+    return RoundRow(
+        round=server_round,
+        accuracy=accuracy,
+        loss=loss,
+        uplink_bytes=traffic.uplink_bytes,
+        downlink_bytes=traffic.downlink_bytes,
+        sites=len(trained),
+        failures=len(traffic.failures),
+        seconds=seconds,
+    )
+
+
+def evaluate_at_sites(
+    grid: MeteredGrid, node_ids: list[int], arrays: ArrayRecord, run_config_json: str, timeout: float
+) -> dict[str, dict]:
+    """One evaluate round: every site scores the final model on its own test split."""
+    content = RecordDict({wire.ARRAYS: arrays, wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: run_config_json})})
+    messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in node_ids]
+    grid.send_and_receive(messages, timeout=timeout)
+    traffic = grid.take()
+    for failure in traffic.failures:
+        log(INFO, "final evaluation failed at %s", failure)
+    return {
+        r.site_id: {"accuracy": float(r.metrics["accuracy"]), "num_examples": int(r.metrics[wire.NUM_EXAMPLES])}
+        for r in sorted(traffic.replies, key=lambda r: r.site_id)
+    }
+
+
+def _finish(
+    config: RunConfig, recorder: RunRecorder, arrays: ArrayRecord, per_site: dict, seconds: float, num_sites: int
+) -> dict:
+    state = {name: array.numpy() for name, array in arrays.items()}
+    digest = save_model(recorder.folder / "model.safetensors", state, {"format": "fedind.FaultCNN"})
+    accuracies = [r.accuracy for r in recorder.rows]
+    best = int(np.nanargmax(accuracies)) if accuracies else 0
+    summary = {
+        "run": recorder.folder.name,
+        "rounds": len(recorder.rows),
+        "sites": num_sites,
+        "final_accuracy": accuracies[-1] if accuracies else None,
+        "best_accuracy": accuracies[best] if accuracies else None,
+        "best_round": best + 1 if accuracies else None,
+        "initial_accuracy": recorder.initial_accuracy,
+        "target_accuracy": config.target_accuracy,
+        "rounds_to_target": rounds_to_target(accuracies, config.target_accuracy),
+        "totals": {
+            "uplink_bytes": sum(r.uplink_bytes for r in recorder.rows),
+            "downlink_bytes": sum(r.downlink_bytes for r in recorder.rows),
+            "failures": sum(r.failures for r in recorder.rows),
+            "seconds": seconds,
+        },
+        "model_parameters": int(sum(v.size for v in state.values())),
+        "model_sha256": digest,
+        "per_site": per_site,
+        "config": config.to_flower(),
+        "versions": package_versions(),
+    }
+    recorder.write_summary(summary)
+    recorder.plot(f"{config.strategy}, {num_sites} sites")
+    return summary
+
+
+def format_summary(summary: dict, folder: Path) -> str:
+    """The human-readable end of a run."""
+    totals = summary["totals"]
+    target = summary["rounds_to_target"]
+    lines = [
+        "",
+        f"fedind run '{summary['run']}' finished: {summary['rounds']} rounds, {summary['sites']} sites, "
+        f"{totals['seconds']:.1f} s",
+        f"  global test accuracy   final {summary['final_accuracy']:.4f}   best {summary['best_accuracy']:.4f} "
+        f"(round {summary['best_round']})   initial {summary['initial_accuracy']:.4f}",
+        f"  target {summary['target_accuracy']:.2f}             "
+        + (f"reached at round {target}" if target else "not reached"),
+        f"  traffic                uplink {totals['uplink_bytes'] / 1e6:.2f} MB   downlink "
+        f"{totals['downlink_bytes'] / 1e6:.2f} MB   failed replies {totals['failures']}",
+        f"  model                  {summary['model_parameters']} parameters, sha256 {summary['model_sha256'][:16]}…",
+        "  per-site accuracy of the final model (each site's own test split):",
+    ]
+    for site, info in summary["per_site"].items():
+        lines.append(f"    {site:<12} {info['accuracy']:.4f}  (n={info['num_examples']})")
+    lines.append(f"  results in {folder}/ : rounds.csv summary.json model.safetensors progress.png")
+    return "\n".join(lines)

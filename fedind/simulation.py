@@ -1,0 +1,39 @@
+"""Run a whole federation in this process with Flower's Simulation Runtime (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
+
+from .clientapp import app as client_app
+from .config import RunConfig
+from .serverapp import federation_shape, run_server
+
+
+def simulate(config: RunConfig, num_supernodes: int | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0) -> dict:
+    """Run ``config`` with one virtual SuperNode per site; return its summary.json."""
+    if not config.run_name:
+        config = replace(config, run_name=f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        run_server(grid, config)
+
+    num_sites = federation_shape(config)[0]
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=num_supernodes or num_sites,
+        backend_config={"client_resources": {"num_cpus": num_cpus, "num_gpus": num_gpus}},
+    )
+    summary = Path(config.run_dir) / config.run_name / "summary.json"
+    if not summary.exists():
+        raise RuntimeError(f"the simulation ended without writing {summary}; see the log above")
+    return json.loads(summary.read_text())

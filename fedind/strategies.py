@@ -1,0 +1,35 @@
+"""Build the server strategy named in the run config."""
+
+from __future__ import annotations
+
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, Strategy
+
+from .config import RunConfig
+
+
+def build_strategy(config: RunConfig, num_sites: int) -> Strategy:
+    """Flower's own strategies, configured for this federation.
+
+    Site-side evaluation rides on the training replies (each site scores the global model it
+    received before training on it), so Flower's separate evaluate phase is off
+    (``fraction_evaluate=0``); the server sends one evaluate round after the last round.
+    """
+    common = dict(
+        fraction_train=config.fraction_train,
+        fraction_evaluate=0.0,
+        min_train_nodes=max(1, round(config.fraction_train * num_sites)),
+        min_available_nodes=num_sites,
+    )
+    if config.strategy == "fedavg":
+        return FedAvg(**common)
+    if config.strategy == "fedprox":
+        return FedProx(proximal_mu=config.proximal_mu, **common)
+    if config.strategy == "fedavgm":
+        return FedAvgM(
+            server_learning_rate=config.server_learning_rate,
+            server_momentum=config.server_momentum,
+            **common,
+        )
+    if config.strategy == "fedadam":
+        return FedAdam(eta=config.fedadam_eta, eta_l=config.learning_rate, tau=config.fedadam_tau, **common)
+    raise ValueError(f"unknown strategy {config.strategy!r}")  # RunConfig already checked it

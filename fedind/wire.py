@@ -1,0 +1,21 @@
+"""Names of the records and keys that travel in Flower messages (one place for all)."""
+
+ARRAYS = "arrays"  # ArrayRecord: model weights (dense), server -> site and site -> server
+CONFIG = "config"  # ConfigRecord: server -> site instructions
+METRICS = "metrics"  # MetricRecord: site -> server numbers
+SITE = "site"  # ConfigRecord: site -> server identity
+
+# ConfigRecord keys, server -> site
+SERVER_ROUND = "server-round"  # set by Flower's strategies
+RUN_CONFIG = "run-config"  # JSON text of the run config (sites read hyperparameters from it)
+
+# MetricRecord keys, site -> server
+NUM_EXAMPLES = "num-examples"  # Flower's default weighting key
+TRAIN_LOSS = "train-loss"
+LABEL_HISTOGRAM = "label-histogram"  # list[int], one count per class of the global model
+LOCAL_ACCURACY = "local-accuracy"  # received global model on the site's own test split
+LOCAL_LOSS = "local-loss"
+TRAIN_SECONDS = "train-seconds"
+
+# ConfigRecord keys, site -> server
+SITE_ID = "site-id"
