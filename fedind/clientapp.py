@@ -80,6 +80,7 @@ def train(msg: Message, context: Context) -> Message:
         seed=seed,
         device=device,
         proximal_mu=float(msg.content[wire.CONFIG].get("proximal-mu", 0.0)),
+        momentum=config.local_momentum,
     )
     histogram = np.bincount(site.train.y, minlength=model.head.out_features)
     metrics = MetricRecord(

@@ -36,6 +36,7 @@ class RunConfig:
     run_dir: str = "runs"  # results go to run-dir/<run-name>/
     run_name: str = ""  # empty = <strategy>-<timestamp>
     target_accuracy: float = 0.8  # rounds-to-target is reported for this global accuracy
+    local_momentum: float = 0.9  # site SGD momentum (reset every round)
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
     server_learning_rate: float = 1.0  # fedavgm and fedadam only
@@ -57,6 +58,7 @@ class RunConfig:
             "dirichlet-alpha": self.dirichlet_alpha > 0,
             "samples-per-site": self.samples_per_site >= 20,
             "target-accuracy": 0 < self.target_accuracy <= 1,
+            "local-momentum": 0 <= self.local_momentum < 1,
             "model-width": self.model_width >= 4 and self.model_width % 4 == 0,
             "proximal-mu": self.proximal_mu >= 0,
             "server-learning-rate": self.server_learning_rate > 0,

@@ -1,0 +1,255 @@
+"""The ``fedind`` command line: generate and check site data folders.
+
+::
+
+    fedind data generate --out DIR --sites N --alpha A --seed S [--samples-per-site M] [--window L]
+    fedind data check DIR
+
+``generate`` writes a synthetic federation (``fedind.data.federation``) in the site data
+format of DESIGN.md and prints the ``flwr run`` command that trains on it; ``check``
+validates any folder in that format. Exit status: 0 on success, 2 for bad arguments or
+bad data (one message on stderr, no traceback), 1 when the file system refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import sys
+import uuid
+import warnings
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .data.federation import FederationSpec, site_ids, site_regimes, write_federation
+from .data.format import (
+    SITES_DIR,
+    TEST_FILE,
+    TRAIN_FILE,
+    DataFormatError,
+    load_meta,
+    validate_data_root,
+)
+from .data.synthetic import CLASS_NAMES
+
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FederationSpec)}
+
+
+class _UsageError(Exception):
+    """Arguments that argparse accepted but that cannot work (exit status 2)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed usage or help already
+        return exc.code if isinstance(exc.code, int) else 2
+    if not hasattr(args, "run"):
+        (args.help_parser or parser).print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except (DataFormatError, ValueError, _UsageError) as exc:
+        print(f"fedind: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"fedind: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedind", description="Federated fault diagnosis for factory edge sites."
+    )
+    parser.set_defaults(help_parser=parser)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    data = commands.add_parser("data", help="generate or check a site data folder")
+    data.set_defaults(help_parser=data)
+    data_commands = data.add_subparsers(title="commands", metavar="COMMAND")
+
+    gen = data_commands.add_parser(
+        "generate",
+        help="write a synthetic Non-IID federation in the site data format",
+        description="Write a synthetic federation of production lines (label, quantity and "
+        "feature skew) as DATA_ROOT/sites/<site-id>/{train,test}.npz, test.npz, meta.json.",
+    )
+    gen.add_argument("--out", required=True, type=Path, metavar="DIR", help="new or empty folder to write")
+    gen.add_argument("--sites", type=int, metavar="N", default=_SPEC_DEFAULTS["num_sites"], help="number of sites (default %(default)s)")
+    gen.add_argument(
+        "--alpha", type=float, metavar="A", default=_SPEC_DEFAULTS["alpha"],
+        help="Dirichlet concentration of the label split, > 0; smaller = more skewed (default %(default)s)",
+    )
+    gen.add_argument("--seed", type=int, metavar="S", default=_SPEC_DEFAULTS["seed"], help="default %(default)s")
+    gen.add_argument(
+        "--samples-per-site", type=int, metavar="M", default=_SPEC_DEFAULTS["samples_per_site"],
+        help="mean windows per site, train + local test (default %(default)s)",
+    )
+    gen.add_argument("--window", type=int, metavar="L", default=_SPEC_DEFAULTS["window"], help="samples per window (default %(default)s)")
+    gen.set_defaults(run=_generate)
+
+    check = data_commands.add_parser(
+        "check", help="validate a site data folder and summarise it",
+        description="Check every split under DATA_ROOT (keys, dtypes, shapes, labels, NaN/Inf).",
+    )
+    check.add_argument("data_root", metavar="DIR", type=Path)
+    check.set_defaults(run=_check)
+    return parser
+
+
+# --------------------------------------------------------------------------- data generate
+
+
+def _generate(args: argparse.Namespace) -> int:
+    spec = FederationSpec(
+        num_sites=args.sites,
+        alpha=args.alpha,
+        samples_per_site=args.samples_per_site,
+        window=args.window,
+        seed=args.seed,
+    )
+    out = args.out.expanduser().resolve()
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise _UsageError(f"{out}: already exists and is not an empty folder; choose a new one")
+    with warnings.catch_warnings():
+        # flwr-datasets warns each time it redraws a split that missed min_partition_size;
+        # the redraw is the intended behaviour and the result is valid, so keep it quiet.
+        warnings.filterwarnings("ignore", "The specified min_partition_size", UserWarning)
+        _write_atomically(spec, out)
+    info = validate_data_root(out)  # what a site agent will load, read back from disk
+    print(f"wrote {spec.num_sites} sites to {out}  (alpha {spec.alpha:g}, seed {spec.seed}, window {spec.window})")
+    print()
+    print(_site_table(spec, out, info))
+    print()
+    print(f"global test set: {_count(out / TEST_FILE)} windows (every class under every site's regime)")
+    print()
+    print("train on it (from the fedind app folder):")
+    print(f"  {flwr_run_command(out, len(info['sites']))}")
+    return 0
+
+
+def _write_atomically(spec: FederationSpec, out: Path) -> None:
+    """Write into a hidden sibling, then rename: a failed run leaves no half-written folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write_federation(spec, tmp)
+        os.replace(tmp, out)  # onto a missing or empty folder
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _site_table(spec: FederationSpec, root: Path, info: dict) -> str:
+    rows = [("site", "train", "test", "dominant classes (share of site)", "speed", "sample rate")]
+    for site, regime in zip(site_ids(spec.num_sites), site_regimes(spec)):
+        labels = np.concatenate([_labels(root / SITES_DIR / site / name) for name in (TRAIN_FILE, TEST_FILE)])
+        rows.append(
+            (
+                site,
+                str(info["num_train"][site]),
+                str(_count(root / SITES_DIR / site / TEST_FILE)),
+                _dominant(labels),
+                f"{regime.shaft_hz * 60:.0f} rpm",
+                f"{regime.sample_rate / 1000:g} kHz",
+            )
+        )
+    return _format_table(rows, right={1, 2, 4, 5})
+
+
+def _labels(path: Path) -> np.ndarray:
+    with np.load(path, allow_pickle=False) as npz:
+        return npz["y"]
+
+
+def _dominant(labels: np.ndarray, top: int = 3, min_share: float = 0.05) -> str:
+    counts = np.bincount(labels, minlength=len(CLASS_NAMES))
+    order = np.argsort(-counts, kind="stable")[:top]
+    shares = [(CLASS_NAMES[c], counts[c] / labels.size) for c in order if counts[c] / labels.size >= min_share]
+    return ", ".join(f"{name} {share:.0%}" for name, share in shares)
+
+
+def flwr_run_command(data_root: Path, num_sites: int) -> str:
+    """The ``flwr run`` line that trains on ``data_root`` with one SuperNode per site."""
+    path = str(data_root)
+    # A TOML literal string, unless the path holds a quote; then a basic string.
+    if "'" in path:
+        value = '"' + path.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    else:
+        value = f"'{path}'"
+    override = f"data-root={value}"
+    if any(ch in override for ch in '"$`\\!'):
+        quoted = shlex.quote(override)
+    else:
+        quoted = f'"{override}"'
+    return f'flwr run . --run-config {quoted} --federation-config "num-supernodes={num_sites}"'
+
+
+# --------------------------------------------------------------------------- data check
+
+
+def _check(args: argparse.Namespace) -> int:
+    root = args.data_root.expanduser().resolve()
+    info = validate_data_root(root)
+    meta = load_meta(root)
+    names = meta.get("class_names")
+    channels, length = info["sample_shape"]
+    print(f"{root}: valid site data folder")
+    print(f"  sites         {len(info['sites'])}")
+    print(f"  classes       {info['num_classes']}" + (f" ({', '.join(names)})" if names else ""))
+    print(f"  sample shape  [C, L] = [{channels}, {length}]")
+    rows = [("site", "train", "test", "size")]
+    for site in info["sites"]:
+        folder = root / SITES_DIR / site
+        test = folder / TEST_FILE
+        rows.append(
+            (
+                site,
+                str(info["num_train"][site]),
+                str(_count(test)) if test.exists() else "-",
+                _megabytes(folder / TRAIN_FILE, test),
+            )
+        )
+    total_train = sum(info["num_train"].values())
+    rows.append(("total", str(total_train), "", ""))
+    print()
+    print(_format_table(rows, right={1, 2, 3}, indent="  "))
+    print()
+    if info["has_global_test"]:
+        print(f"  global test   {_count(root / TEST_FILE)} windows ({_megabytes(root / TEST_FILE)})")
+    else:
+        print("  global test   none (no test.npz: the server will not evaluate centrally)")
+    print()
+    print("train on it (from the fedind app folder):")
+    print(f"  {flwr_run_command(root, len(info['sites']))}")
+    return 0
+
+
+def _count(path: Path) -> int:
+    """Number of examples in a validated split, read from the header of its ``y`` array."""
+    with zipfile.ZipFile(path) as archive, archive.open("y.npy") as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, _ = read(f)
+    return int(shape[0])
+
+
+def _megabytes(*paths: Path) -> str:
+    size = sum(p.stat().st_size for p in paths if p.exists())
+    return f"{size / 1e6:.1f} MB"
+
+
+def _format_table(rows: list[tuple[str, ...]], right: set[int], indent: str = "") -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return "\n".join(lines)
