@@ -7,6 +7,7 @@ below documents one. Invalid values fail here, before any round runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,7 @@ class RunConfig:
             "strategy": self.strategy in STRATEGIES,
             "fraction-train": 0 < self.fraction_train <= 1,
             "num-sites": self.num_sites >= 1,
-            "dirichlet-alpha": self.dirichlet_alpha > 0,
+            "dirichlet-alpha": math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0,
             "samples-per-site": self.samples_per_site >= 20,
             "target-accuracy": 0 < self.target_accuracy <= 1,
             "local-momentum": 0 <= self.local_momentum < 1,

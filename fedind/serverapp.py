@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +85,9 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
                 row.uplink_bytes / 1e6, row.downlink_bytes / 1e6, row.seconds,
             )
             for failure in traffic.failures:
-                log(INFO, "  failed: %s", failure)
+                log(WARNING, "  failed: %s", failure)
+            if row.sites == 0:
+                log(WARNING, "round %d: no site update arrived; the global model is unchanged", server_round)
         clock["round"] = time.monotonic()
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
@@ -101,6 +103,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     per_site = evaluate_at_sites(metered, node_ids, result.arrays, run_config_json, config.round_timeout)
     summary = _finish(config, recorder, result.arrays, per_site, time.monotonic() - started, num_sites)
     log(INFO, "%s", format_summary(summary, folder))
+    if not any(row.sites for row in recorder.rows):
+        raise RuntimeError("no site update was aggregated in any round; see the failures logged above")
     return summary
 
 

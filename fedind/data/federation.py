@@ -14,6 +14,7 @@ diagnose every fault on every line. Everything is a pure function of the spec (s
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ class FederationSpec:
     def __post_init__(self) -> None:
         if self.num_sites < 1:
             raise ValueError(f"Invalid num_sites: {self.num_sites} (need >= 1)")
-        if not self.alpha > 0:
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"Invalid dirichlet alpha: {self.alpha} (need > 0)")
         if self.samples_per_site < 20:
             raise ValueError(f"Invalid samples_per_site: {self.samples_per_site} (need >= 20)")
@@ -73,7 +74,7 @@ def site_label_sets(spec: FederationSpec) -> tuple[np.ndarray, ...]:
         num_partitions=spec.num_sites,
         partition_by="label",
         alpha=spec.alpha,
-        min_partition_size=min(20, per_class * NUM_CLASSES // spec.num_sites),
+        min_partition_size=max(1, min(20, per_class * NUM_CLASSES // (2 * spec.num_sites))),
         self_balancing=False,
         seed=spec.seed,
     )
