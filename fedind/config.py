@@ -14,7 +14,7 @@ from typing import Any
 
 from .data.federation import FederationSpec
 
-STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam")
+STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "dwa")
 
 
 class ConfigError(ValueError):
@@ -44,6 +44,12 @@ class RunConfig:
     server_momentum: float = 0.9  # fedavgm only
     fedadam_eta: float = 0.01  # fedadam server learning rate
     fedadam_tau: float = 0.001  # fedadam adaptivity (larger = closer to FedAvgM)
+    dwa_weighting: bool = True  # dwa: weight sites by n_i * exp(-KL(P_i || P_global) / T)
+    dwa_temperature: float = 1.0  # dwa: T; larger = closer to FedAvg weights
+    dwa_floor: float = 0.1  # dwa: every site keeps at least this share of its FedAvg weight
+    conflict_buffer: bool = True  # dwa: route sign-conflicting coordinates through a momentum buffer
+    conflict_threshold: float = 0.3  # dwa: sign agreement below this = conflict
+    conflict_momentum: float = 0.9  # dwa: beta of the conflict momentum buffer
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
 
@@ -66,6 +72,10 @@ class RunConfig:
             "server-momentum": 0 <= self.server_momentum < 1,
             "fedadam-eta": self.fedadam_eta > 0,
             "fedadam-tau": self.fedadam_tau > 0,
+            "dwa-temperature": self.dwa_temperature > 0,
+            "dwa-floor": 0 <= self.dwa_floor <= 1,
+            "conflict-threshold": 0 <= self.conflict_threshold <= 1,
+            "conflict-momentum": 0 <= self.conflict_momentum < 1,
             "device": self.device in ("auto", "cpu", "cuda"),
             "round-timeout": self.round_timeout > 0,
         }
@@ -105,6 +115,6 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
         return float(value)
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"Invalid run config {key} = {value!r}: expected {kind.__name__}")
     return value
