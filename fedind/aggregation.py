@@ -320,9 +320,10 @@ class MomentumBuffer:
                 raise ValueError(
                     f"Invalid conflicting[{name!r}]: shape {c.shape} != buffer shape {v.shape}"
                 )
-            v = (self.beta * v + c).astype(v.dtype, copy=False)  # buffer keeps its dtype
+            # Buffer keeps its dtype; np.asarray keeps 0-dim buffers arrays (not numpy scalars).
+            v = np.asarray(self.beta * v + c, dtype=v.dtype)
             self._buffers[name] = v
-            out[name] = (self.lr_scale * (1.0 - self.beta)) * v
+            out[name] = np.asarray((self.lr_scale * (1.0 - self.beta)) * v)
         return out
 
     def state_dict(self) -> dict:

@@ -5,10 +5,14 @@ from __future__ import annotations
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, Strategy
 
 from .config import RunConfig
+from .strategy import DWA
 
 
-def build_strategy(config: RunConfig, num_sites: int) -> Strategy:
-    """Flower's own strategies, configured for this federation.
+def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = None) -> Strategy:
+    """Flower's own strategies and fedind's ``dwa``, configured for this federation.
+
+    ``num_classes`` is the length of a valid label histogram (``dwa`` only); None reads it
+    from the global model when the first round starts.
 
     Site-side evaluation rides on the training replies (each site scores the global model it
     received before training on it), so Flower's separate evaluate phase is off
@@ -32,4 +36,15 @@ def build_strategy(config: RunConfig, num_sites: int) -> Strategy:
         )
     if config.strategy == "fedadam":
         return FedAdam(eta=config.fedadam_eta, eta_l=config.learning_rate, tau=config.fedadam_tau, **common)
+    if config.strategy == "dwa":
+        return DWA(
+            weighting=config.dwa_weighting,
+            temperature=config.dwa_temperature,
+            floor=config.dwa_floor,
+            conflict_buffer=config.conflict_buffer,
+            threshold=config.conflict_threshold,
+            momentum=config.conflict_momentum,
+            num_classes=num_classes,
+            **common,
+        )
     raise ValueError(f"unknown strategy {config.strategy!r}")  # RunConfig already checked it

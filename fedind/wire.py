@@ -19,3 +19,8 @@ TRAIN_SECONDS = "train-seconds"
 
 # ConfigRecord keys, site -> server
 SITE_ID = "site-id"
+
+# MetricRecord keys, strategy -> server app (the aggregated train metrics of a round)
+CONFLICT_SHARE = "conflict-share"  # share of coordinates whose sign agreement is below the threshold
+DWA_WEIGHT_MIN = "dwa-weight-min"  # smallest aggregation weight given to a site this round
+DWA_WEIGHT_MAX = "dwa-weight-max"  # largest aggregation weight given to a site this round

@@ -288,6 +288,17 @@ def test_momentum_state_dict_round_trip_and_validation():
         other.step({"w": np.ones(6), "b": np.array(0.0)})
 
 
+def test_momentum_zero_dim_buffers_stay_arrays():
+    # beta * v on a 0-dim array is a numpy scalar; state_dict must still hold ndarrays
+    # (checkpoints write them with safetensors).
+    buf = MomentumBuffer(beta=0.5)
+    for _ in range(2):
+        out = buf.step({"b": np.array(1.0, dtype=np.float32)})
+    assert isinstance(out["b"], np.ndarray) and out["b"].shape == () and out["b"] == pytest.approx(0.75)
+    v = buf.state_dict()["buffers"]["b"]
+    assert isinstance(v, np.ndarray) and v.shape == () and v.dtype == np.float32 and v == 1.5
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
