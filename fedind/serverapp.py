@@ -66,7 +66,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     folder = Path(config.run_dir) / (config.run_name or f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     recorder = RunRecorder(folder)
     metered = MeteredGrid(grid)
-    strategy = build_strategy(config, num_sites)
+    strategy = build_strategy(config, num_sites, num_classes)
     clock = {"round": time.monotonic()}
     run_config_json = json.dumps(config.to_flower())
 
