@@ -63,7 +63,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     torch.manual_seed(config.seed)
     model = FaultCNN(in_channels=channels, num_classes=num_classes, width=config.model_width)
     initial = ArrayRecord(model.state_dict())
-    folder = Path(config.run_dir) / (config.run_name or f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder = Path(config.run_dir).resolve() / (config.run_name or f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     recorder = RunRecorder(folder)
     metered = MeteredGrid(grid)
     strategy = build_strategy(config, num_sites, num_classes)
