@@ -7,7 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .federation import FederationSpec, make_global_test, make_site, site_ids
-from .format import DataFormatError, SiteArrays, list_sites, load_global_test, load_site, validate_data_root
+from .format import (
+    TEST_FILE,
+    TRAIN_FILE,
+    DataFormatError,
+    SiteArrays,
+    list_sites,
+    load_global_test,
+    load_site,
+    load_split,
+    validate_data_root,
+)
 
 
 @dataclass(frozen=True)
@@ -33,9 +43,10 @@ def site_from_partition(spec: FederationSpec | None, data_root: str, partition_i
     if data_root:
         sites = list_sites(resolve_root(data_root))
         expected = len(sites)
-    else:
-        assert spec is not None
+    elif spec is not None:
         sites, expected = site_ids(spec.num_sites), spec.num_sites
+    else:
+        raise ValueError("a simulated site needs either data_root or a FederationSpec")
     if num_partitions != expected or not 0 <= partition_id < expected:
         where = f"data-root {data_root}" if data_root else "num-sites"
         raise DataFormatError(
@@ -54,7 +65,9 @@ def site_from_partition(spec: FederationSpec | None, data_root: str, partition_i
 def site_from_dir(data_dir: str, site_id: str = "") -> SiteData:
     """Deployment: ``data-dir`` is one site's folder holding train.npz (+ optional test.npz)."""
     folder = resolve_root(data_dir)
-    train, test = load_site(folder.parent, folder.name)
+    train = load_split(folder / TRAIN_FILE)
+    test_path = folder / TEST_FILE
+    test = load_split(test_path, sample_shape=train.sample_shape) if test_path.exists() else None
     return SiteData(site_id or folder.name, train, test)
 
 
