@@ -359,6 +359,7 @@ def conflict_aware_aggregate(
     weights,
     buffer: MomentumBuffer,
     threshold: float,
+    agreement_buffer: MomentumBuffer | None = None,
 ) -> dict[str, np.ndarray]:
     r"""Weighted mean of the sites' deltas, conflicting coordinates through ``buffer``.
 
@@ -367,6 +368,12 @@ def conflict_aware_aggregate(
     and the returned delta is
 
     .. math::  \Delta = \bar d\,[A \ge \tau] + \mathrm{buffer.step}(\bar d\,[A < \tau])
+
+    With ``agreement_buffer`` the agreeing part goes through it as well:
+    :math:`\Delta = \mathrm{agreement\_buffer.step}(\bar d\,[A \ge \tau]) + \dots`. Built as
+    ``MomentumBuffer(beta, lr_scale=1 / (1 - beta))`` it is heavy-ball server momentum
+    (FedAvgM) on the coordinates the sites agree on, while the conflicting ones are only
+    averaged over rounds (damped), never amplified.
 
     ``threshold = 0`` with a fresh buffer is exactly the weighted average; so is a single
     site (its agreement is 1 everywhere). 0-dim arrays work like any other. The result has
@@ -391,4 +398,12 @@ def conflict_aware_aggregate(
             mean, sign_agreement(arrays, w), threshold
         )
     applied = buffer.step(conflicting)
+    if agreement_buffer is not None:
+        agreeing = agreement_buffer.step(agreeing)
     return {n: (agreeing[n] + applied[n]).astype(dtypes[n], copy=False) for n in names}
+
+
+def heavy_ball(beta: float) -> MomentumBuffer | None:
+    """Server momentum :math:`v \leftarrow \beta v + \Delta`, applying :math:`v` (FedAvgM
+    with server learning rate 1); None for ``beta = 0``."""
+    return MomentumBuffer(beta=beta, lr_scale=1.0 / (1.0 - beta)) if beta > 0 else None

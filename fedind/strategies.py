@@ -44,6 +44,7 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
             conflict_buffer=config.conflict_buffer,
             threshold=config.conflict_threshold,
             momentum=config.conflict_momentum,
+            server_momentum=config.server_momentum,
             num_classes=num_classes,
             **common,
         )

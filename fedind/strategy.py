@@ -7,10 +7,13 @@ records around and keeps the cross-round state. One training round, server side:
     w_i     =  dwa_weights(n, histograms, global_hist.distribution(), T, floor)
                (or n_i / N: weighting off, or some site sent no label histogram)
     d_i     =  reply_i - global                                  (per array, float64)
-    global  += conflict_aware_aggregate(d, w, momentum_buffer, threshold)
+    global  += conflict_aware_aggregate(d, w, momentum_buffer, threshold, server_buffer)
                (or the weighted mean sum_i w_i d_i: conflict buffering off)
 
-With equal label distributions and conflict buffering off this is FedAvg exactly.
+``server_momentum > 0`` adds heavy-ball server momentum (as FedAvgM) to the coordinates the
+sites agree on (to all of them with conflict buffering off); conflicting coordinates are
+only damped by their own buffer. With equal label distributions, conflict buffering off
+and no server momentum this is FedAvg exactly.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg
 
 from . import wire
-from .aggregation import GlobalHistogram, MomentumBuffer, conflict_aware_aggregate, dwa_weights, sign_agreement
+from .aggregation import (
+    GlobalHistogram,
+    MomentumBuffer,
+    conflict_aware_aggregate,
+    dwa_weights,
+    heavy_ball,
+    sign_agreement,
+)
 
 __all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
 
@@ -36,7 +46,7 @@ __all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
 # where DWA reads the global model's number of classes when none is given.
 HEAD_WEIGHT = "head.weight"
 
-_STATE_KEYS = {"global_histogram", "momentum"}
+_STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
 
 
 class InvalidReply(ValueError):
@@ -101,6 +111,8 @@ class DWA(FedAvg):
         :math:`\tau \in [0, 1]`: sign agreement below it is a conflict.
     momentum : float
         :math:`\beta \in [0, 1)` of the conflict momentum buffer.
+    server_momentum : float
+        :math:`\beta_s \in [0, 1)` of heavy-ball momentum on agreeing coordinates (0 = off).
     num_classes : int, optional
         Length of a valid label histogram. None: read from the global model at the first
         :meth:`configure_train` (first dimension of its ``head.weight`` array).
@@ -120,6 +132,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         conflict_buffer: bool = True,
         threshold: float = 0.3,
         momentum: float = 0.9,
+        server_momentum: float = 0.0,
         num_classes: int | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
@@ -140,6 +153,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             raise ValueError(f"Invalid threshold value: {threshold!r}")
         if not (_is_real(momentum) and 0.0 <= momentum < 1.0):
             raise ValueError(f"Invalid momentum value: {momentum!r}")
+        if not (_is_real(server_momentum) and 0.0 <= server_momentum < 1.0):
+            raise ValueError(f"Invalid server_momentum value: {server_momentum!r}")
         if num_classes is not None and not (_is_int(num_classes) and num_classes >= 1):
             raise ValueError(f"Invalid num_classes value: {num_classes!r}")
         super().__init__(
@@ -167,6 +182,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             None if num_classes is None else GlobalHistogram(int(num_classes))
         )
         self.buffer = MomentumBuffer(beta=self.momentum)
+        self.server_momentum = float(server_momentum)
+        self.server_buffer = heavy_ball(self.server_momentum)
         self._fallback_logged = False
 
     # ------------------------------------------------------------------ Flower hooks
@@ -188,6 +205,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             self.threshold,
             self.momentum,
         )
+        log(INFO, "\t│\t├── Server momentum on agreeing coordinates: %s", self.server_momentum or "OFF")
         log(INFO, "\t│\t└── Classes: %s", self.num_classes if self.num_classes else "from the global model")
         super().summary()
 
@@ -222,12 +240,14 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             for u in updates
         ]
         if self.conflict_buffer:
-            step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold)
+            step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold, self.server_buffer)
         else:
             step = {
                 name: np.average(np.stack([d[name] for d in deltas]), axis=0, weights=weights)
                 for name in current
             }
+            if self.server_buffer is not None:
+                step = self.server_buffer.step(step)
         new = ArrayRecord(
             {name: Array(_cast_like(current[name] + step[name], current[name].dtype)) for name in current}
         )
@@ -383,6 +403,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         return {
             "global_histogram": None if self.global_histogram is None else self.global_histogram.state_dict(),
             "momentum": self.buffer.state_dict(),
+            "server_momentum": None if self.server_buffer is None else self.server_buffer.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -408,6 +429,11 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         if not isinstance(state["momentum"], Mapping):
             raise ValueError(f"Invalid DWA state: momentum is a {type(state['momentum']).__name__}")
         buffer.load_state_dict(state["momentum"])
+        server_buffer = heavy_ball(self.server_momentum)
+        if (state["server_momentum"] is None) != (server_buffer is None):
+            raise ValueError("Invalid DWA state: server momentum state does not match server_momentum setting")
+        if server_buffer is not None:
+            server_buffer.load_state_dict(state["server_momentum"])
         if self.current_arrays is not None:
             for name, v in buffer.state_dict()["buffers"].items():
                 array = self.current_arrays.get(name)
@@ -419,6 +445,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         elif self.num_classes is not None:
             self.global_histogram = GlobalHistogram(self.num_classes)
         self.buffer = buffer
+        self.server_buffer = server_buffer
 
 
 # ---------------------------------------------------------------------- helpers

@@ -400,7 +400,7 @@ def test_state_dict_round_trip_restores_behaviour():
     arrays, _, _ = run_round(first, GLOBAL, _state_sites(GLOBAL, 1))
     after_round_1 = as_numpy(arrays)
     state = first.state_dict()
-    assert set(state) == {"global_histogram", "momentum"}
+    assert set(state) == {"global_histogram", "momentum", "server_momentum"}
     assert all(isinstance(v, np.ndarray) for v in state["momentum"]["buffers"].values())
 
     restored = dwa(**settings)
