@@ -528,3 +528,41 @@ def test_dwa_simulation_learns(tmp_path):
     )
     assert summary["rounds"] == 3
     assert summary["final_accuracy"] > summary["initial_accuracy"]
+
+
+# ---------------------------------------------------------------- server momentum
+
+
+def test_server_momentum_without_conflict_buffer_is_flowers_fedavgm():
+    """Oracle: Flower's own FedAvgM (server lr 1) on the same replies, three rounds."""
+    from flwr.serverapp.strategy import FedAvgM
+
+    rng = np.random.default_rng(0)
+    ours = dwa(weighting=False, conflict_buffer=False, server_momentum=0.9)
+    theirs = FedAvgM(
+        server_learning_rate=1.0, server_momentum=0.9, fraction_evaluate=0.0,
+        min_train_nodes=1, min_available_nodes=1,
+    )
+    ours_global = theirs_global = {"w": np.zeros((2, 3), np.float32), "b": np.zeros((), np.float32)}
+    for server_round in (1, 2, 3):
+        sites_arrays = [
+            {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in ours_global.items()}
+            for _ in range(3)
+        ]
+        sizes = [10, 30, 60]
+        arrays, _, _ = run_round(
+            ours, ours_global, [Site(a, n, site_id=f"s{i}") for i, (a, n) in enumerate(zip(sites_arrays, sizes))],
+            server_round,
+        )
+        ours_global = as_numpy(arrays)
+        grid = FakeGrid(range(1, 4))
+        instructions = sorted(
+            theirs.configure_train(server_round, record(theirs_global), ConfigRecord(), grid),
+            key=lambda m: m.metadata.dst_node_id,
+        )
+        # The same site models: both strategies hold the same global model each round.
+        replies = [make_reply(ins, Site(a, n)) for ins, a, n in zip(instructions, sites_arrays, sizes)]
+        theirs_arrays, _ = theirs.aggregate_train(server_round, replies)
+        theirs_global = as_numpy(theirs_arrays)
+        for name in ours_global:
+            np.testing.assert_allclose(ours_global[name], theirs_global[name], rtol=1e-5, atol=1e-6)
