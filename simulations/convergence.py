@@ -1,0 +1,167 @@
+"""Convergence benchmark: Flower's built-in strategies vs fedind's DWA on the same federation.
+
+For every Dirichlet alpha and seed: train the centralized upper bound with the same budget,
+set the target to ``--target-share`` (95 %) of its final accuracy, then run every strategy
+on the same sites, data, model, seed and budget, and report rounds to the target, final and
+best accuracy (mean ± std over seeds), a Markdown table and a plot.
+
+    python simulations/convergence.py                                   # full: ~1 h on 2 cores
+    python simulations/convergence.py --alphas 0.1 --seeds 0 num-server-rounds=30   # quick look
+
+Extra ``key=value`` arguments override the run config (pyproject defaults) for every run.
+Finished runs are reused (their summary.json exists), so an interrupted benchmark resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from simulations.common import parse_overrides  # noqa: E402
+
+from fedind.centralized import train_centralized  # noqa: E402
+from fedind.config import RunConfig  # noqa: E402
+from fedind.results import rounds_to_target  # noqa: E402
+from fedind.simulation import simulate  # noqa: E402
+
+# name -> run-config overrides; every other setting is shared.
+VARIANTS: dict[str, dict] = {
+    "FedAvg": {"strategy": "fedavg"},
+    "FedProx": {"strategy": "fedprox"},
+    "FedAvgM": {"strategy": "fedavgm"},
+    "FedAdam": {"strategy": "fedadam"},
+    "DWA": {"strategy": "dwa", "conflict_buffer": False},
+    "DWA+conflict": {"strategy": "dwa", "conflict_buffer": True},
+}
+
+
+def accuracy_curve(run_folder: Path) -> list[float]:
+    with open(run_folder / "rounds.csv", newline="") as f:
+        return [float(row["accuracy"]) for row in csv.DictReader(f)]
+
+
+def run_variant(base: RunConfig, name: str, alpha: float, seed: int, out: Path) -> list[float]:
+    config = replace(
+        base,
+        dirichlet_alpha=alpha,
+        seed=seed,
+        run_dir=str(out / "runs"),
+        run_name=f"{name}-alpha{alpha}-seed{seed}",
+        **VARIANTS[name],
+    )
+    folder = Path(config.run_dir) / config.run_name
+    if not (folder / "summary.json").exists():
+        simulate(config)
+    return accuracy_curve(folder)
+
+
+def centralized(base: RunConfig, alpha: float, seed: int, out: Path) -> dict:
+    path = out / "centralized" / f"alpha{alpha}-seed{seed}.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        result = train_centralized(replace(base, dirichlet_alpha=alpha, seed=seed))
+        path.write_text(json.dumps(result, indent=2))
+    return json.loads(path.read_text())
+
+
+def mean_std(values: list[float]) -> str:
+    return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+
+
+def summarize(rows: list[dict], alphas: list[float], variants: list[str]) -> str:
+    lines = [
+        "| alpha | strategy | rounds to target (mean; reached/runs) | final accuracy | best accuracy |",
+        "|---|---|---|---|---|",
+    ]
+    for alpha in alphas:
+        for name in variants:
+            mine = [r for r in rows if r["alpha"] == alpha and r["strategy"] == name]
+            reached = [r["rounds_to_target"] for r in mine if r["rounds_to_target"] is not None]
+            rtt = f"{np.mean(reached):.1f} ({len(reached)}/{len(mine)})" if reached else f"not reached (0/{len(mine)})"
+            lines.append(
+                f"| {alpha} | {name} | {rtt} | {mean_std([r['final'] for r in mine])} "
+                f"| {mean_std([r['best'] for r in mine])} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(curves: dict, alphas: list[float], variants: list[str], targets: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(alphas), figsize=(6 * len(alphas), 4), squeeze=False)
+    for ax, alpha in zip(axes[0], alphas):
+        for name in variants:
+            runs = [c for (a, n, _), c in curves.items() if a == alpha and n == name]
+            mean = np.mean(np.array(runs), axis=0)
+            ax.plot(np.arange(1, mean.size + 1), mean, label=name)
+        ax.axhline(np.mean(targets[alpha]), color="grey", linestyle="--", label="target (95 % of centralized)")
+        ax.set(title=f"Dirichlet alpha = {alpha}", xlabel="round", ylabel="global test accuracy (mean over seeds)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.5])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--target-share", type=float, default=0.95)
+    parser.add_argument("--out", default="runs/convergence")
+    args, overrides = parser.parse_known_args(argv)
+    base = parse_overrides(overrides)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    rows, curves, targets = [], {}, {a: [] for a in args.alphas}
+    for alpha in args.alphas:
+        for seed in args.seeds:
+            bound = centralized(base, alpha, seed, out)
+            target = args.target_share * bound["final_accuracy"]
+            targets[alpha].append(target)
+            for name in args.variants:
+                curve = run_variant(base, name, alpha, seed, out)
+                curves[(alpha, name, seed)] = curve
+                rows.append(
+                    {
+                        "alpha": alpha, "seed": seed, "strategy": name,
+                        "centralized": bound["final_accuracy"], "target": target,
+                        "rounds_to_target": rounds_to_target(curve, target),
+                        "final": curve[-1], "best": max(curve),
+                    }
+                )
+                print(f"alpha {alpha} seed {seed} {name:<13} final {curve[-1]:.3f} best {max(curve):.3f} "
+                      f"rounds to {target:.3f}: {rows[-1]['rounds_to_target']}", flush=True)
+
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    bounds = {a: [r["centralized"] for r in rows if r["alpha"] == a] for a in args.alphas}
+    header = "\n".join(
+        f"- alpha {a}: centralized upper bound {mean_std(sorted(set(bounds[a])))}, "
+        f"target {mean_std(targets[a])}" for a in args.alphas
+    )
+    table = summarize(rows, args.alphas, args.variants)
+    (out / "table.md").write_text(header + "\n\n" + table + "\n")
+    (out / "config.json").write_text(json.dumps({"base": base.to_flower(), "args": vars(args), "variants": VARIANTS}, indent=2))
+    plot(curves, args.alphas, args.variants, targets, out / "convergence.png")
+    print(header + "\n\n" + table)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
