@@ -195,3 +195,15 @@ def test_a_malformed_data_root_fails_before_round_1(good_root, tmp_path, breaker
         simulate(config)
     assert time.monotonic() - started < 5
     assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_same_seed_gives_a_bit_identical_model_on_cpu(tmp_path):
+    """DESIGN.md: deterministic on CPU for a seed (replies are aggregated in site order)."""
+    digests = []
+    for name in ("first", "second"):
+        config = RunConfig(**{**SHORT, "num_server_rounds": 2}, run_dir=str(tmp_path), run_name=name)
+        digests.append(simulate(config)["model_sha256"])
+    assert digests[0] == digests[1]
