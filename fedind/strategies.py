@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from flwr.app import MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from .config import RunConfig
 from .strategy import DWA
@@ -19,6 +21,7 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
     (``fraction_evaluate=0``); the server sends one evaluate round after the last round.
     """
     common = dict(
+        train_metrics_aggr_fn=average_scalar_metrics,
         fraction_train=config.fraction_train,
         fraction_evaluate=0.0,
         min_train_nodes=max(1, round(config.fraction_train * num_sites)),
@@ -49,3 +52,18 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
             **common,
         )
     raise ValueError(f"unknown strategy {config.strategy!r}")  # RunConfig already checked it
+
+
+def average_scalar_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
+    """Flower's weighted average over the scalar metrics only: a label histogram belongs to
+    its site, and its average means nothing (nor is it worth logging every round)."""
+    scalar = [
+        RecordDict(
+            {
+                name: MetricRecord({k: v for k, v in metrics.items() if not isinstance(v, list)})
+                for name, metrics in record.metric_records.items()
+            }
+        )
+        for record in records
+    ]
+    return aggregate_metricrecords(scalar, weight_key)
