@@ -8,7 +8,6 @@ or ``partition-id`` / ``num-partitions`` (simulation).
 
 from __future__ import annotations
 
-import json
 import time
 import zlib
 
@@ -23,12 +22,13 @@ from .data.format import DataFormatError
 from .data.sources import SiteData, site_from_dir, site_from_partition
 from .models import FaultCNN
 from .training import cosine_lr, evaluate, pick_device, train_local
+from .transport import topk_mod
 
-app = ClientApp()
+app = ClientApp(mods=[topk_mod])
 
 
 def run_config_of(msg: Message) -> RunConfig:
-    return RunConfig.from_flower(json.loads(str(msg.content[wire.CONFIG][wire.RUN_CONFIG])))
+    return RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
 
 
 def load_site_data(context: Context, config: RunConfig) -> SiteData:

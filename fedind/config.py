@@ -7,6 +7,7 @@ below documents one. Invalid values fail here, before any round runs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 from .data.federation import FederationSpec
 
 STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "dwa")
+COMPRESSIONS = ("none", "topk")
 
 
 class ConfigError(ValueError):
@@ -50,6 +52,10 @@ class RunConfig:
     conflict_buffer: bool = True  # dwa: route sign-conflicting coordinates through a momentum buffer
     conflict_threshold: float = 0.3  # dwa: sign agreement below this = conflict
     conflict_momentum: float = 0.9  # dwa: beta of the conflict momentum buffer
+    compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
+    topk_ratio: float = 0.01  # topk: share of coordinates sent per round
+    topk_quantization: str = "int8"  # topk: int8 (linear, per-tensor scale) | sign (1 bit + scale)
+    topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
 
@@ -76,6 +82,10 @@ class RunConfig:
             "dwa-floor": 0 <= self.dwa_floor <= 1,
             "conflict-threshold": 0 <= self.conflict_threshold <= 1,
             "conflict-momentum": 0 <= self.conflict_momentum < 1,
+            "compression": self.compression in COMPRESSIONS,
+            "topk-ratio": 0 < self.topk_ratio <= 1,
+            "topk-quantization": self.topk_quantization in ("int8", "sign"),
+            "topk-threshold": self.topk_threshold in ("exact", "sampled"),
             "device": self.device in ("auto", "cpu", "cuda"),
             "round-timeout": self.round_timeout > 0,
         }
@@ -96,6 +106,11 @@ class RunConfig:
                 raise ConfigError(f"Unknown run config key {key!r}")
             values[name] = _coerce(key, value, type(fields[name].default))
         return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        """The run config the server sends to sites with every message (JSON text)."""
+        return cls.from_flower(json.loads(text))
 
     def to_flower(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from flwr.app import Message, RecordDict
@@ -41,8 +41,11 @@ class Traffic:
 class MeteredGrid(Grid):
     """Delegates to a Flower ``Grid``; records payload bytes, replies and failures."""
 
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, transform: Callable[[Message, Message], Message] | None = None) -> None:
+        """``transform(instruction, reply) -> reply`` runs on every reply after its bytes are
+        counted (e.g. decoding a sparse update); an error reply it returns is a failure."""
         self._grid = grid
+        self._transform = transform
         self._traffic = Traffic()
 
     def take(self) -> Traffic:
@@ -55,16 +58,20 @@ class MeteredGrid(Grid):
         for message in messages:
             self._traffic.downlink_bytes += payload_bytes(message.content)
         self._traffic.messages_sent += len(messages)
-        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
-        answered = set()
-        for reply in replies:
+        instructions = {message.metadata.dst_node_id: message for message in messages}
+        replies = []
+        for reply in self._grid.send_and_receive(messages, timeout=timeout):
             node = reply.metadata.src_node_id
-            answered.add(node)
+            if not reply.has_error():
+                self._traffic.uplink_bytes += payload_bytes(reply.content)
+                if self._transform is not None and node in instructions:
+                    reply = self._transform(instructions[node], reply)
+            replies.append(reply)
             if reply.has_error():
                 self._traffic.failures.append(f"node {node}: {reply.error.reason}")
-                continue
-            self._traffic.uplink_bytes += payload_bytes(reply.content)
-            self._traffic.replies.append(_describe(reply))
+            else:
+                self._traffic.replies.append(_describe(reply))
+        answered = {reply.metadata.src_node_id for reply in replies}
         for message in messages:
             if message.metadata.dst_node_id not in answered:
                 self._traffic.failures.append(f"node {message.metadata.dst_node_id}: no reply (timeout)")

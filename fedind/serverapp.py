@@ -24,6 +24,7 @@ from .models import FaultCNN
 from .results import RoundRow, RunRecorder, package_versions, rounds_to_target, save_model
 from .strategies import build_strategy
 from .training import evaluate, pick_device
+from .transport import densify_reply
 
 app = ServerApp()
 
@@ -65,7 +66,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     initial = ArrayRecord(model.state_dict())
     folder = Path(config.run_dir).resolve() / (config.run_name or f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     recorder = RunRecorder(folder)
-    metered = MeteredGrid(grid)
+    metered = MeteredGrid(grid, transform=densify_reply)
     strategy = build_strategy(config, num_sites, num_classes)
     clock = {"round": time.monotonic()}
     run_config_json = json.dumps(config.to_flower())

@@ -4,6 +4,7 @@ ARRAYS = "arrays"  # ArrayRecord: model weights (dense), server -> site and site
 CONFIG = "config"  # ConfigRecord: server -> site instructions
 METRICS = "metrics"  # MetricRecord: site -> server numbers
 SITE = "site"  # ConfigRecord: site -> server identity
+SPARSE_UPDATE = "sparse-update"  # ConfigRecord: site -> server top-k delta (fedind.compression)
 
 # ConfigRecord keys, server -> site
 SERVER_ROUND = "server-round"  # set by Flower's strategies
@@ -15,7 +16,8 @@ TRAIN_LOSS = "train-loss"
 LABEL_HISTOGRAM = "label-histogram"  # list[int], one count per class of the global model
 LOCAL_ACCURACY = "local-accuracy"  # received global model on the site's own test split
 LOCAL_LOSS = "local-loss"
-TRAIN_SECONDS = "train-seconds"
+TRAIN_SECONDS = "train-seconds"  # CPU seconds of local training
+COMPRESS_SECONDS = "compress-seconds"  # CPU seconds of sparsifying + encoding the update
 
 # ConfigRecord keys, site -> server
 SITE_ID = "site-id"

@@ -1,0 +1,130 @@
+"""Sparse updates on the wire: the site mod and the server decoder, end to end without Ray."""
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+
+from fedind import wire
+from fedind.compression import decode, expected_of, from_record
+from fedind.config import RunConfig
+from fedind.metering import MeteredGrid, payload_bytes
+from fedind.transport import REJECTED_PAYLOAD, densify_reply, topk_mod
+
+pytestmark = pytest.mark.usefixtures("flower_task_identity")
+
+SHAPES = {"conv.weight": (32, 3, 64), "head.weight": (10, 128), "head.bias": (10,)}
+
+
+def arrays(seed: int, scale: float = 1.0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: (scale * rng.normal(size=s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def instruction(global_arrays: dict, **config) -> Message:
+    run_config = RunConfig(**config).to_flower()
+    content = RecordDict(
+        {
+            wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in global_arrays.items()}),
+            wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(run_config), wire.SERVER_ROUND: 1}),
+        }
+    )
+    return Message(content, message_type=MessageType.TRAIN, dst_node_id=7)
+
+
+def site_training(local: dict):
+    """A stand-in for the ClientApp's train handler: reply with these local weights."""
+
+    def call_next(msg: Message, context: Context) -> Message:
+        content = RecordDict(
+            {
+                wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in local.items()}),
+                wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 100}),
+                wire.SITE: ConfigRecord({wire.SITE_ID: "line-07"}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    return call_next
+
+
+def context() -> Context:
+    return Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+
+
+def test_without_compression_the_mod_passes_the_reply_through():
+    g, local = arrays(0), arrays(1)
+    reply = topk_mod(instruction(g, compression="none"), context(), site_training(local))
+    assert wire.ARRAYS in reply.content.array_records
+    assert wire.SPARSE_UPDATE not in reply.content.config_records
+
+
+def test_sparse_reply_is_small_and_decodes_to_global_plus_sent_delta():
+    g = arrays(0)
+    local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
+    msg = instruction(g, compression="topk", topk_ratio=0.01)
+    ctx = context()
+    reply = topk_mod(msg, ctx, site_training(local))
+    assert wire.ARRAYS not in reply.content.array_records
+    dense_bytes = payload_bytes(site_training(local)(msg, ctx).content)
+    assert payload_bytes(reply.content) * 50 < dense_bytes
+    assert reply.content[wire.METRICS][wire.COMPRESS_SECONDS] >= 0
+
+    restored = densify_reply(msg, reply)
+    sent = decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(g))
+    total = sum(v.size for v in g.values())
+    assert sum(int(np.count_nonzero(v)) for v in sent.values()) == round(0.01 * total)
+    for name in g:
+        np.testing.assert_allclose(restored.content[wire.ARRAYS][name].numpy(), g[name] + sent[name], rtol=0, atol=1e-6)
+    assert restored.content[wire.SITE][wire.SITE_ID] == "line-07"
+    assert restored.metadata.src_node_id == 7
+
+
+def test_error_feedback_residual_persists_in_context_state_across_rounds():
+    g = arrays(0)
+    local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
+    ctx = context()
+    msg = instruction(g, compression="topk", topk_ratio=0.01)
+    first = decode(from_record(topk_mod(msg, ctx, site_training(local)).content[wire.SPARSE_UPDATE]), expected_of(g))
+    residual = {k: v.numpy() for k, v in ctx.state["topk-residuals"].items()}
+    # invariant: what was sent + what is kept == the update
+    for name in g:
+        np.testing.assert_allclose(first[name] + residual[name], local[name] - g[name], atol=1e-6)
+    # Same update again: the carried residual changes what is sent.
+    second = decode(from_record(topk_mod(msg, ctx, site_training(local)).content[wire.SPARSE_UPDATE]), expected_of(g))
+    assert any(not np.array_equal(first[k], second[k]) for k in g)
+    assert int(ctx.state["topk-state"]["step"]) == 2
+
+
+def corrupt(reply: Message) -> Message:
+    record = reply.content[wire.SPARSE_UPDATE]
+    payload = bytearray(record["payload"])
+    payload[-1] ^= 0xFF
+    record["payload"] = bytes(payload[:-3])  # truncated
+    return reply
+
+
+def test_a_malformed_payload_becomes_an_error_reply_and_a_counted_failure():
+    g = arrays(0)
+    msg = instruction(g, compression="topk")
+    reply = corrupt(topk_mod(msg, context(), site_training(arrays(1))))
+    rejected = densify_reply(msg, reply)
+    assert rejected.has_error() and rejected.error.code == REJECTED_PAYLOAD
+    assert "rejected sparse update" in rejected.error.reason
+
+    class OneSiteGrid:
+        def send_and_receive(self, messages, *, timeout=None):
+            return [reply]
+
+    grid = MeteredGrid(OneSiteGrid(), transform=densify_reply)
+    (out,) = grid.send_and_receive([msg])
+    traffic = grid.take()
+    assert out.has_error() and len(traffic.failures) == 1 and "rejected sparse update" in traffic.failures[0]
+    assert traffic.uplink_bytes == payload_bytes(reply.content)  # the bytes did cross the wire
+
+
+@pytest.mark.parametrize("key, value", [("topk-ratio", 0.0), ("topk-quantization", "fp8"), ("compression", "zip")])
+def test_invalid_compression_settings_fail_at_start(key, value):
+    with pytest.raises(ValueError, match=key):
+        RunConfig.from_flower({key: value})
