@@ -69,6 +69,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     metered = MeteredGrid(grid, transform=densify_reply)
     strategy = build_strategy(config, num_sites, num_classes)
     clock = {"round": time.monotonic()}
+    site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0}
     run_config_json = json.dumps(config.to_flower())
 
     def evaluate_round(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -78,6 +79,9 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             recorder.initial_accuracy = accuracy
         else:
             row = _round_row(server_round, accuracy, loss, traffic, time.monotonic() - clock["round"])
+            for reply in traffic.replies:
+                site_cpu["site_train_cpu_seconds"] += float(reply.metrics.get(wire.TRAIN_SECONDS, 0.0))
+                site_cpu["site_compress_cpu_seconds"] += float(reply.metrics.get(wire.COMPRESS_SECONDS, 0.0))
             recorder.add(row)
             log(
                 INFO,
@@ -102,7 +106,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         evaluate_fn=evaluate_round,
     )
     per_site = evaluate_at_sites(metered, node_ids, result.arrays, run_config_json, config.round_timeout)
-    summary = _finish(config, recorder, result.arrays, per_site, time.monotonic() - started, num_sites)
+    summary = _finish(config, recorder, result.arrays, per_site, time.monotonic() - started, num_sites, site_cpu)
     log(INFO, "%s", format_summary(summary, folder))
     if not any(row.sites for row in recorder.rows):
         raise RuntimeError("no site update was aggregated in any round; see the failures logged above")
@@ -147,7 +151,13 @@ def evaluate_at_sites(
 
 
 def _finish(
-    config: RunConfig, recorder: RunRecorder, arrays: ArrayRecord, per_site: dict, seconds: float, num_sites: int
+    config: RunConfig,
+    recorder: RunRecorder,
+    arrays: ArrayRecord,
+    per_site: dict,
+    seconds: float,
+    num_sites: int,
+    site_cpu: dict[str, float],
 ) -> dict:
     state = {name: array.numpy() for name, array in arrays.items()}
     digest = save_model(recorder.folder / "model.safetensors", state, {"format": "fedind.FaultCNN"})
@@ -168,6 +178,7 @@ def _finish(
             "downlink_bytes": sum(r.downlink_bytes for r in recorder.rows),
             "failures": sum(r.failures for r in recorder.rows),
             "seconds": seconds,
+            **site_cpu,
         },
         "model_parameters": int(sum(v.size for v in state.values())),
         "model_sha256": digest,
