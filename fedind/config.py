@@ -47,11 +47,13 @@ class RunConfig:
     fedadam_eta: float = 0.01  # fedadam server learning rate
     fedadam_tau: float = 0.001  # fedadam adaptivity (larger = closer to FedAvgM)
     dwa_weighting: bool = True  # dwa: weight sites by n_i * exp(-KL(P_i || P_global) / T)
-    dwa_temperature: float = 1.0  # dwa: T; larger = closer to FedAvg weights
+    dwa_temperature: float = 3.0  # dwa: T; larger = closer to FedAvg weights
     dwa_floor: float = 0.1  # dwa: every site keeps at least this share of its FedAvg weight
     conflict_buffer: bool = True  # dwa: route sign-conflicting coordinates through a momentum buffer
     conflict_threshold: float = 0.3  # dwa: sign agreement below this = conflict
-    conflict_momentum: float = 0.9  # dwa: beta of the conflict momentum buffer
+    conflict_momentum: float = 0.9  # dwa without server momentum: beta of the conflict buffer
+    server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
+    conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.01  # topk: share of coordinates sent per round
     topk_quantization: str = "int8"  # topk: int8 (linear, per-tensor scale) | sign (1 bit + scale)
@@ -82,6 +84,7 @@ class RunConfig:
             "dwa-floor": 0 <= self.dwa_floor <= 1,
             "conflict-threshold": 0 <= self.conflict_threshold <= 1,
             "conflict-momentum": 0 <= self.conflict_momentum < 1,
+            "conflict-damping": 0 <= self.conflict_damping <= 1,
             "compression": self.compression in COMPRESSIONS,
             "topk-ratio": 0 < self.topk_ratio <= 1,
             "topk-quantization": self.topk_quantization in ("int8", "sign"),

@@ -48,6 +48,8 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
             threshold=config.conflict_threshold,
             momentum=config.conflict_momentum,
             server_momentum=config.server_momentum,
+            restart=config.server_restart,
+            conflict_damping=config.conflict_damping,
             num_classes=num_classes,
             **common,
         )

@@ -7,13 +7,19 @@ records around and keeps the cross-round state. One training round, server side:
     w_i     =  dwa_weights(n, histograms, global_hist.distribution(), T, floor)
                (or n_i / N: weighting off, or some site sent no label histogram)
     d_i     =  reply_i - global                                  (per array, float64)
-    global  += conflict_aware_aggregate(d, w, momentum_buffer, threshold, server_buffer)
-               (or the weighted mean sum_i w_i d_i: conflict buffering off)
+    global  += conflict_momentum_aggregate(d, w, server_buffer, threshold, damping)
+               (server_momentum > 0; conflict buffering off: FedAvgM's heavy ball on sum_i w_i d_i)
+    global  += conflict_aware_aggregate(d, w, momentum_buffer, threshold)
+               (server_momentum = 0; conflict buffering off: the weighted mean sum_i w_i d_i)
 
-``server_momentum > 0`` adds heavy-ball server momentum (as FedAvgM) to the coordinates the
-sites agree on (to all of them with conflict buffering off); conflicting coordinates are
-only damped by their own buffer. With equal label distributions, conflict buffering off
-and no server momentum this is FedAvg exactly.
+``server_momentum > 0`` with conflict buffering is ONE heavy-ball buffer over every
+coordinate that restarts, per coordinate, where it points against the round's aggregate
+(:class:`~fedind.aggregation.RestartMomentum`), the sites' sign conflicts optionally damping
+what enters it. (Heavy ball on agreeing coordinates only, conflicting ones through a
+separate damped buffer, never learned: the sites' corrections of an overshoot went to the
+damped buffer while the amplified one kept pushing.) With equal label distributions,
+conflict buffering off and no server momentum this is FedAvg exactly; conflict buffering
+off with server momentum is FedAvgM exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from . import wire
 from .aggregation import (
     GlobalHistogram,
     MomentumBuffer,
+    RestartMomentum,
     conflict_aware_aggregate,
+    conflict_momentum_aggregate,
     dwa_weights,
     heavy_ball,
     sign_agreement,
@@ -45,6 +53,8 @@ __all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
 # FaultCNN's classifier weight ([num_classes, features]; see models.FaultCNN.from_state_dict):
 # where DWA reads the global model's number of classes when none is given.
 HEAD_WEIGHT = "head.weight"
+
+# Share of coordinates whose server momentum restarted this round (train metrics).
 
 _STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
 
@@ -112,7 +122,14 @@ class DWA(FedAvg):
     momentum : float
         :math:`\beta \in [0, 1)` of the conflict momentum buffer.
     server_momentum : float
-        :math:`\beta_s \in [0, 1)` of heavy-ball momentum on agreeing coordinates (0 = off).
+        :math:`\beta_s \in [0, 1)` of heavy-ball server momentum (0 = off). With
+        ``conflict_buffer`` it replaces the conflict buffer: :class:`RestartMomentum`.
+    restart : bool
+        With server momentum and ``conflict_buffer``: drop a coordinate's momentum where it
+        points against the round's weighted mean delta (adaptive restart).
+    conflict_damping : float
+        :math:`\gamma \in [0, 1]`, with server momentum and ``conflict_buffer``: what enters
+        the buffer is scaled by :math:`\gamma + (1-\gamma)\min(1, A/\tau)` (1 = no damping).
     num_classes : int, optional
         Length of a valid label histogram. None: read from the global model at the first
         :meth:`configure_train` (first dimension of its ``head.weight`` array).
@@ -133,6 +150,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         threshold: float = 0.3,
         momentum: float = 0.9,
         server_momentum: float = 0.0,
+        restart: bool = True,
+        conflict_damping: float = 1.0,
         num_classes: int | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
@@ -142,7 +161,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
         evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
     ) -> None:
-        for name, value in (("weighting", weighting), ("conflict_buffer", conflict_buffer)):
+        for name, value in (("weighting", weighting), ("conflict_buffer", conflict_buffer), ("restart", restart)):
             if not isinstance(value, bool):
                 raise ValueError(f"Invalid {name} value: {value!r} (expected True or False)")
         if not (_is_real(temperature) and temperature > 0):
@@ -155,6 +174,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             raise ValueError(f"Invalid momentum value: {momentum!r}")
         if not (_is_real(server_momentum) and 0.0 <= server_momentum < 1.0):
             raise ValueError(f"Invalid server_momentum value: {server_momentum!r}")
+        if not (_is_real(conflict_damping) and 0.0 <= conflict_damping <= 1.0):
+            raise ValueError(f"Invalid conflict_damping value: {conflict_damping!r}")
         if num_classes is not None and not (_is_int(num_classes) and num_classes >= 1):
             raise ValueError(f"Invalid num_classes value: {num_classes!r}")
         super().__init__(
@@ -183,8 +204,18 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         )
         self.buffer = MomentumBuffer(beta=self.momentum)
         self.server_momentum = float(server_momentum)
-        self.server_buffer = heavy_ball(self.server_momentum)
+        self.restart = restart
+        self.conflict_damping = float(conflict_damping)
+        self.server_buffer = self._new_server_buffer()
         self._fallback_logged = False
+
+    def _new_server_buffer(self) -> MomentumBuffer | None:
+        """FedAvgM's heavy ball, conflict-aware (restart) with the conflict buffer on; None for 0."""
+        if self.server_momentum <= 0:
+            return None
+        if self.conflict_buffer:
+            return RestartMomentum(beta=self.server_momentum, restart=self.restart)
+        return heavy_ball(self.server_momentum)
 
     # ------------------------------------------------------------------ Flower hooks
 
@@ -205,7 +236,14 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             self.threshold,
             self.momentum,
         )
-        log(INFO, "\t│\t├── Server momentum on agreeing coordinates: %s", self.server_momentum or "OFF")
+        log(
+            INFO,
+            "\t│\t├── Server momentum: %s%s",
+            self.server_momentum or "OFF",
+            f" (conflict-aware: restart {'ON' if self.restart else 'OFF'}, damping {self.conflict_damping})"
+            if self.server_momentum and self.conflict_buffer
+            else "",
+        )
         log(INFO, "\t│\t└── Classes: %s", self.num_classes if self.num_classes else "from the global model")
         super().summary()
 
@@ -239,8 +277,12 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             {name: u.arrays[name].astype(np.float64) - current[name].astype(np.float64) for name in current}
             for u in updates
         ]
-        if self.conflict_buffer:
-            step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold, self.server_buffer)
+        if self.conflict_buffer and isinstance(self.server_buffer, RestartMomentum):
+            step = conflict_momentum_aggregate(
+                deltas, weights, self.server_buffer, self.threshold, self.conflict_damping
+            )
+        elif self.conflict_buffer:
+            step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold)
         else:
             step = {
                 name: np.average(np.stack([d[name] for d in deltas]), axis=0, weights=weights)
@@ -257,6 +299,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         metrics[wire.CONFLICT_SHARE] = self._conflict_share(deltas, weights)
         metrics[wire.DWA_WEIGHT_MIN] = float(weights.min())
         metrics[wire.DWA_WEIGHT_MAX] = float(weights.max())
+        if isinstance(self.server_buffer, RestartMomentum):
+            metrics[wire.RESTART_SHARE] = float(self.server_buffer.last_restart_share)
         return new, metrics
 
     # ------------------------------------------------------------------ validation
@@ -429,7 +473,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         if not isinstance(state["momentum"], Mapping):
             raise ValueError(f"Invalid DWA state: momentum is a {type(state['momentum']).__name__}")
         buffer.load_state_dict(state["momentum"])
-        server_buffer = heavy_ball(self.server_momentum)
+        server_buffer = self._new_server_buffer()
         if (state["server_momentum"] is None) != (server_buffer is None):
             raise ValueError("Invalid DWA state: server momentum state does not match server_momentum setting")
         if server_buffer is not None:

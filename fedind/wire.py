@@ -26,3 +26,4 @@ SITE_ID = "site-id"
 CONFLICT_SHARE = "conflict-share"  # share of coordinates whose sign agreement is below the threshold
 DWA_WEIGHT_MIN = "dwa-weight-min"  # smallest aggregation weight given to a site this round
 DWA_WEIGHT_MAX = "dwa-weight-max"  # largest aggregation weight given to a site this round
+RESTART_SHARE = "restart-share"  # share of coordinates whose server momentum was reset this round

@@ -380,3 +380,74 @@ def test_heavy_ball_agreement_buffer_accelerates_agreeing_and_damps_conflicting(
     np.testing.assert_allclose(out1["w"], [1.0, -0.5])
     np.testing.assert_allclose(out2["w"], [1.5, -0.75])
     assert heavy_ball(0.0) is None
+
+
+# ------------------------------------------------------------ conflict-aware server momentum
+
+
+def test_agreement_gain_formula_and_edges():
+    from fedind.aggregation import agreement_gain
+
+    a = np.array([0.0, 0.15, 0.3, 0.9])
+    np.testing.assert_allclose(agreement_gain(a, 0.3, 0.5), [0.5, 0.75, 1.0, 1.0])
+    np.testing.assert_array_equal(agreement_gain(a, 0.3, 1.0), np.ones(4))  # no damping
+    np.testing.assert_array_equal(agreement_gain(a, 0.0, 0.2), np.ones(4))  # never a conflict
+    np.testing.assert_allclose(agreement_gain(a, 1.0, 0.0), a)  # linear in A
+    for bad in (dict(threshold=1.5, damping=0.5), dict(threshold=0.3, damping=-0.1)):
+        with pytest.raises(ValueError):
+            agreement_gain(a, **bad)
+
+
+def test_restart_momentum_without_restart_is_heavy_ball():
+    from fedind.aggregation import RestartMomentum, heavy_ball
+
+    rng = np.random.default_rng(0)
+    ours, theirs = RestartMomentum(beta=0.9, restart=False), heavy_ball(0.9)
+    for _ in range(4):
+        d = {"w": rng.normal(size=(2, 3)), "b": rng.normal(size=())}
+        got, expected = ours.step(d), theirs.step(d)
+        for k in d:
+            np.testing.assert_allclose(got[k], expected[k], rtol=1e-12)
+    assert ours.last_restart_share == 0.0
+
+
+def test_restart_momentum_drops_momentum_that_opposes_the_aggregate():
+    from fedind.aggregation import RestartMomentum
+
+    m = RestartMomentum(beta=0.5, lr_scale=2.0)
+    np.testing.assert_allclose(m.step({"w": np.array([1.0, 1.0, 0.0])})["w"], [2.0, 2.0, 0.0])
+    # coordinate 0 keeps going (same sign), 1 reverses (restart: only the new -0.5),
+    # 2 had no momentum (0 * d is not < 0: nothing to restart)
+    out = m.step({"w": np.array([1.0, -0.5, 3.0])})
+    np.testing.assert_allclose(out["w"], 2.0 * np.array([0.5 + 1.0, -0.5, 3.0]))
+    assert m.last_restart_share == pytest.approx(1 / 3)
+    # a gain scales what enters the buffer, not the momentum already there
+    out = m.step({"w": np.array([1.0, -1.0, 1.0])}, gain={"w": np.array([0.5, 1.0, 0.0])})
+    np.testing.assert_allclose(out["w"], 2.0 * np.array([0.75 + 0.5, -0.25 - 1.0, 1.5]))
+    # state round trip (same format as MomentumBuffer)
+    copy = RestartMomentum(beta=0.5, lr_scale=2.0)
+    copy.load_state_dict(m.state_dict())
+    d = {"w": np.array([-1.0, -1.0, 2.0])}
+    np.testing.assert_array_equal(copy.step(d)["w"], m.step(d)["w"])
+    with pytest.raises(ValueError, match="shape"):
+        m.step({"w": np.ones(2)})
+
+
+def test_conflict_momentum_aggregate_oracle():
+    from fedind.aggregation import RestartMomentum, conflict_momentum_aggregate
+
+    # coordinate 0: both sites +1 (agreement 1); coordinate 1: +1 vs -3 (agreement 0, mean -1)
+    deltas = [{"w": np.array([1.0, 1.0], np.float32)}, {"w": np.array([1.0, -3.0], np.float32)}]
+    m = RestartMomentum(beta=0.5)
+    out1 = conflict_momentum_aggregate(deltas, [1, 1], m, threshold=0.5, damping=0.2)
+    np.testing.assert_allclose(out1["w"], [1.0, -0.2])  # conflicting coordinate damped to 0.2
+    assert out1["w"].dtype == np.float32
+    out2 = conflict_momentum_aggregate(deltas, [1, 1], m, threshold=0.5, damping=0.2)
+    np.testing.assert_allclose(out2["w"], [1.5, -0.3])  # one buffer: both accelerate
+    # no damping, no restart: FedAvgM's heavy ball on the weighted mean
+    plain = RestartMomentum(beta=0.5, restart=False)
+    np.testing.assert_allclose(
+        conflict_momentum_aggregate(deltas, [3, 1], plain, threshold=0.5)["w"], [1.0, 0.0]
+    )
+    with pytest.raises(ValueError, match="names"):
+        conflict_momentum_aggregate([{"a": np.ones(2)}, {"b": np.ones(2)}], [1, 1], m, 0.5)

@@ -566,3 +566,31 @@ def test_server_momentum_without_conflict_buffer_is_flowers_fedavgm():
         theirs_global = as_numpy(theirs_arrays)
         for name in ours_global:
             np.testing.assert_allclose(ours_global[name], theirs_global[name], rtol=1e-5, atol=1e-6)
+
+
+def test_conflict_aware_server_momentum_is_one_restarting_buffer():
+    """conflict buffer + server momentum: RestartMomentum over every coordinate."""
+    from fedind.aggregation import RestartMomentum, agreement_gain, sign_agreement
+
+    strategy = dwa(weighting=False, conflict_buffer=True, threshold=0.5, server_momentum=0.5, conflict_damping=0.2)
+    assert isinstance(strategy.server_buffer, RestartMomentum)
+    current = {"w": np.zeros(2, np.float32)}
+    v = np.zeros(2)
+    for server_round, site_deltas in enumerate(([[1.0, 1.0], [1.0, -3.0]], [[-2.0, 1.0], [-2.0, -3.0]]), 1):
+        sites = [Site({"w": (current["w"] + np.array(d)).astype(np.float32)}, 10, site_id=f"s{i}")
+                 for i, d in enumerate(site_deltas)]
+        arrays, metrics, _ = run_round(strategy, current, sites, server_round)
+        deltas = [np.array(d) for d in site_deltas]
+        mean = np.mean(deltas, axis=0)
+        gain = agreement_gain(sign_agreement(deltas, [1, 1]), 0.5, 0.2)
+        v = np.where(v * mean < 0, 0.0, 0.5 * v) + gain * mean
+        np.testing.assert_allclose(arrays["w"].numpy(), current["w"] + v, rtol=1e-6)
+        current = as_numpy(arrays)
+        assert wire.RESTART_SHARE in metrics
+    assert metrics[wire.RESTART_SHARE] == 0.5  # coordinate 0 reversed in round 2
+    state = strategy.state_dict()
+    restored = dwa(weighting=False, conflict_buffer=True, threshold=0.5, server_momentum=0.5, conflict_damping=0.2)
+    restored.load_state_dict(state)
+    np.testing.assert_allclose(restored.server_buffer.state_dict()["buffers"]["w"], v, rtol=1e-6)
+    with pytest.raises(ValueError, match="conflict_damping"):
+        dwa(conflict_damping=1.5)
