@@ -45,8 +45,46 @@ Quantisation (per tensor, over the values sent in that tensor)
   ``|v - v^| = ||v| - scale| <= max|v| - min|v|``; biased per coordinate, which error
   feedback corrects over the following rounds.
 
-Wire format (version 1, all integers little-endian)
----------------------------------------------------
+Wire format version 2 (current; what :func:`encode` writes)
+----------------------------------------------------------
+Fixed integers little-endian; ``varint`` is unsigned LEB128 (minimal, at most 5 bytes,
+< 2**32). Tensors are identified by POSITION, not by name: record ``i`` belongs to the
+``i``-th name of the model's arrays sorted by Unicode code point (Python's ``sorted``;
+:func:`encode` sorts the names of its input, :func:`decode` iterates
+``sorted(expected)``). There is a record for every array, none is named and none carries
+its size: the receiver's ``expected`` shapes give ``numel``, and the layout fingerprint
+makes sure sender and receiver mean the same layout.
+
+===============  =======  ============================================================
+field            bytes    meaning
+===============  =======  ============================================================
+magic            4        ``b"FIDZ"``
+version          1        ``2``
+mode             1        value quantisation: ``1`` = int8, ``2`` = sign (1 bit + scale)
+fingerprint      4        u32 layout fingerprint (below); must equal the receiver's
+*for each array, in sorted-name order:*
+count            varint   number of sent coordinates, ``<= numel``; if ``0``, the record
+                          ends here (no scale, blocks or lengths)
+scale            4        f32, finite, ``> 0`` (only if ``count > 0``)
+index enc.       1        ``1`` = delta-varint, ``2`` = bitmap (only if ``count > 0``)
+index length     varint   ``I`` (only if ``count > 0``)
+index block      I        as in version 1; a bitmap is ``ceil(numel / 8)`` bytes
+value block      V        ``V = count`` int8 codes in ``[-127, 127]`` (int8), or
+                          ``V = ceil(count / 8)`` bytes of sign bits (1 = negative, LSB
+                          first, padding bits 0); the length is implied, not sent
+===============  =======  ============================================================
+
+The payload ends after the last array's record (trailing bytes are an error). The layout
+fingerprint is ``zlib.crc32`` of the UTF-8 bytes of the compact, ASCII-escaped JSON list
+of ``[name, [dims...]]`` pairs in sorted-name order, e.g.
+``[["b",[3]],["w",[2,4]]]`` (``json.dumps(..., separators=(",", ":"))``): a payload built
+for other array names or shapes is rejected ("layout fingerprint mismatch") instead of
+being decoded into the wrong arrays. Dtypes are not part of it.
+
+Wire format version 1 (older; still decoded, written with ``encode(..., version=1)``)
+-------------------------------------------------------------------------------------
+All integers little-endian. Tensors are identified by name and may come in any order.
+
 ============  =======  ===============================================================
 field         bytes    meaning
 ============  =======  ===============================================================
@@ -68,7 +106,7 @@ value block   V        int8 codes in ``[-127, 127]``, or sign bits (1 = negative
                        LSB first, padding bits 0)
 ============  =======  ===============================================================
 
-Index blocks hold the flat (C-order) indices, strictly increasing:
+Index blocks (both versions) hold the flat (C-order) indices, strictly increasing:
 
 - delta-varint: ``count`` unsigned LEB128 varints (minimal, at most 5 bytes, < 2**32) of
   ``idx[0]`` then ``idx[i] - idx[i-1]`` — a zero delta is a duplicate index;
@@ -82,8 +120,10 @@ the reason; nothing of a malformed payload is used.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -94,6 +134,7 @@ __all__ = [
     "MODES",
     "THRESHOLDS",
     "VERSION",
+    "VERSIONS",
     "ErrorFeedback",
     "PayloadError",
     "SparseTensor",
@@ -103,6 +144,7 @@ __all__ = [
     "encode",
     "encoded_size",
     "expected_of",
+    "layout_fingerprint",
     "from_record",
     "quantise",
     "sampled_topk_indices",
@@ -111,7 +153,8 @@ __all__ = [
 ]
 
 MAGIC = b"FIDZ"
-VERSION = 1
+VERSION = 2  # what encode() writes
+VERSIONS = (1, 2)  # what decode() reads
 MODES = ("int8", "sign")
 THRESHOLDS = ("exact", "sampled")
 _MODE_CODE = {"int8": 1, "sign": 2}
@@ -553,42 +596,92 @@ def _decode_bitmap_indices(block: bytes, count: int, numel: int, where: str) -> 
 
 # --------------------------------------------------------------------------- encode / decode
 
-_HEADER = struct.Struct("<4sBBI")  # magic, version, mode, tensors
+_HEADER = struct.Struct("<4sBBI")  # magic, version, mode, tensors (v1) / fingerprint (v2)
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _F32 = struct.Struct("<f")
-_TENSOR_FIXED = struct.Struct("<IIfB")  # numel, count, scale, index encoding
+_TENSOR_FIXED = struct.Struct("<IIfB")  # numel, count, scale, index encoding (v1)
+_SCALE_ENC = struct.Struct("<fB")  # scale, index encoding (v2)
 
 
-def encode(sparse: Mapping[str, SparseTensor]) -> bytes:
-    """The version-1 payload of ``sparse`` (see the module docstring's table).
+def layout_fingerprint(shapes: Mapping) -> int:
+    """The version-2 layout fingerprint (u32) of ``{name: shape}``.
 
-    All tensors must share one mode. Shapes travel as ``numel`` only; the receiver knows
-    the shapes (:func:`decode`'s ``expected``).
+    ``zlib.crc32`` of the compact, ASCII-escaped JSON of ``[[name, [dims...]], ...]`` in
+    sorted-name order. ``shapes`` values may be shapes, arrays (anything with ``.shape``)
+    or ``(shape, dtype)`` pairs as in :func:`expected_of`; dtypes do not count.
     """
+    layout = []
+    for name in sorted(shapes):
+        s = shapes[name]
+        if hasattr(s, "shape"):
+            s = s.shape
+        elif isinstance(s, tuple) and len(s) == 2 and isinstance(s[0], tuple):
+            s = s[0]
+        layout.append([name, [int(d) for d in s]])
+    text = json.dumps(layout, separators=(",", ":"), ensure_ascii=True)
+    return zlib.crc32(text.encode("utf-8")) & _U32_MAX
+
+
+def _encode_varint(value: int) -> bytes:
+    return _encode_varints(np.array([value], dtype=np.uint64))
+
+
+def _value_block(t: SparseTensor) -> bytes:
+    if t.mode == "int8":
+        return t.codes.tobytes()
+    return np.packbits(t.codes < 0, bitorder="little").tobytes()
+
+
+def encode(sparse: Mapping[str, SparseTensor], version: int = VERSION) -> bytes:
+    """The payload of ``sparse`` in wire format ``version`` (see the module docstring).
+
+    ``sparse`` must hold every array of the model (as :meth:`ErrorFeedback.compress`
+    returns it), all in one mode. Version 2 (default) writes the arrays in sorted-name
+    order, identified by position and the layout fingerprint; version 1 writes them in
+    the mapping's order, by name. Shapes travel as ``numel`` (v1) or not at all (v2);
+    the receiver knows them (:func:`decode`'s ``expected``).
+    """
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version not in VERSIONS:
+        raise ValueError(f"Invalid version: {version!r} (expected one of {VERSIONS})")
     if not isinstance(sparse, Mapping) or not sparse:
         raise ValueError("Invalid sparse update: expected a non-empty mapping of name -> SparseTensor")
     if not all(isinstance(t, SparseTensor) for t in sparse.values()):
         raise ValueError("Invalid sparse update: every value must be a SparseTensor")
+    for name in sparse:
+        if not isinstance(name, str):
+            raise ValueError(f"Invalid tensor name: {name!r}")
     modes = {t.mode for t in sparse.values()}
     if len(modes) != 1:
         raise ValueError(f"Invalid sparse update: mixed modes {sorted(modes)}")
     if len(sparse) > _U32_MAX:
         raise ValueError("Invalid sparse update: too many tensors")
     mode = modes.pop()
-    parts = [_HEADER.pack(MAGIC, VERSION, _MODE_CODE[mode], len(sparse))]
+    if version == 2:
+        fingerprint = layout_fingerprint({name: t.shape for name, t in sparse.items()})
+        parts = [_HEADER.pack(MAGIC, 2, _MODE_CODE[mode], fingerprint)]
+        for name in sorted(sparse):
+            t = sparse[name]
+            parts.append(_encode_varint(t.count))
+            if t.count == 0:
+                continue
+            encoding, index_block = _encode_indices(t.indices, t.numel)
+            parts += [
+                _SCALE_ENC.pack(t.scale, encoding),
+                _encode_varint(len(index_block)),
+                index_block,
+                _value_block(t),
+            ]
+        return b"".join(parts)
+
+    parts = [_HEADER.pack(MAGIC, 1, _MODE_CODE[mode], len(sparse))]
     for name, t in sparse.items():
-        if not isinstance(name, str):
-            raise ValueError(f"Invalid tensor name: {name!r}")
         raw = name.encode("utf-8")
         if len(raw) > 0xFFFF:
             raise ValueError(f"Invalid tensor name: {len(raw)} bytes (at most 65535)")
         encoding, index_block = _encode_indices(t.indices, t.numel)
-        if mode == "int8":
-            value_block = t.codes.tobytes()
-        else:
-            value_block = np.packbits(t.codes < 0, bitorder="little").tobytes()
+        value_block = _value_block(t)
         parts += [
             _U16.pack(len(raw)),
             raw,
@@ -601,9 +694,9 @@ def encode(sparse: Mapping[str, SparseTensor]) -> bytes:
     return b"".join(parts)
 
 
-def encoded_size(sparse: Mapping[str, SparseTensor]) -> int:
-    """Bytes of :func:`encode`'s payload for ``sparse``."""
-    return len(encode(sparse))
+def encoded_size(sparse: Mapping[str, SparseTensor], version: int = VERSION) -> int:
+    """Bytes of :func:`encode`'s payload for ``sparse`` in wire format ``version``."""
+    return len(encode(sparse, version))
 
 
 def dense_size_bytes(shapes) -> int:
@@ -647,6 +740,23 @@ class _Reader:
     def unpack(self, fmt: struct.Struct, what: str) -> tuple:
         return fmt.unpack(self.take(fmt.size, what))
 
+    def varint(self, what: str) -> int:
+        """One minimal unsigned LEB128 varint < 2**32 (at most 5 bytes)."""
+        start, value = self.pos, 0
+        for j in range(5):
+            if self.pos >= len(self.data):
+                raise PayloadError(f"truncated payload: {what} varint cut off at offset {self.pos}")
+            byte = self.data[self.pos]
+            self.pos += 1
+            value |= (byte & 0x7F) << (7 * j)
+            if not byte & 0x80:
+                if j > 0 and byte == 0:
+                    raise PayloadError(f"{what}: non-minimal varint (trailing zero byte) at offset {start}")
+                if j == 4 and byte > 0x0F:
+                    raise PayloadError(f"{what}: varint overflow (value >= 2**32) at offset {start}")
+                return value
+        raise PayloadError(f"{what}: varint too long (more than 5 bytes) at offset {start}")
+
 
 def _check_expected(expected: Mapping) -> dict[str, tuple[tuple[int, ...], int]]:
     """Caller's ``expected`` -> ``{name: (shape, numel)}``; a bad one is a ValueError (not
@@ -655,6 +765,8 @@ def _check_expected(expected: Mapping) -> dict[str, tuple[tuple[int, ...], int]]
         raise ValueError("Invalid expected: a non-empty mapping of name -> (shape, dtype)")
     out = {}
     for name, spec in expected.items():
+        if not isinstance(name, str):
+            raise ValueError(f"Invalid expected name: {name!r} (array names are strings)")
         try:
             shape, dtype = spec
             shape = tuple(int(d) for d in shape)
@@ -667,14 +779,52 @@ def _check_expected(expected: Mapping) -> dict[str, tuple[tuple[int, ...], int]]
     return out
 
 
+def _check_scale(scale: float, count: int, where: str) -> None:
+    if not math.isfinite(scale):
+        raise PayloadError(f"{where}: non-finite scale {scale}")
+    if count > 0 and not scale > 0:
+        raise PayloadError(f"{where}: scale {scale} must be > 0 when {count} values are sent")
+    if count == 0 and scale != 0:
+        raise PayloadError(f"{where}: scale {scale} must be 0 when no values are sent")
+
+
+def _dense(
+    index_block: bytes, encoding: int, value_block: bytes, count: int, scale: float, mode: str,
+    shape: tuple[int, ...], numel: int, where: str,
+) -> np.ndarray:
+    """The dense float32 array of one tensor record whose fields were read (and their
+    lengths checked) already: validates and decodes both blocks."""
+    if encoding == INDEX_VARINT:
+        indices = _decode_varint_indices(index_block, count, numel, where)
+    else:
+        indices = _decode_bitmap_indices(index_block, count, numel, where)
+    if mode == "int8":
+        codes = np.frombuffer(value_block, dtype=np.int8)
+        if np.any(codes == -128):
+            raise PayloadError(f"{where}: int8 code -128 out of range [-127, 127]")
+    else:
+        bits = np.unpackbits(np.frombuffer(value_block, dtype=np.uint8), bitorder="little")
+        if bits[count:].any():
+            raise PayloadError(f"{where}: sign block padding bits are set")
+        codes = np.where(bits[:count] == 1, -1, 1).astype(np.int8)
+    values = dequantise(codes, scale, mode)
+    if not np.all(np.isfinite(values)):  # cannot happen for a finite float32 scale
+        raise PayloadError(f"{where}: non-finite values")
+    dense = np.zeros(numel, dtype=np.float32)
+    dense[indices] = values
+    return dense.reshape(shape)
+
+
 def decode(payload: bytes, expected: Mapping) -> dict[str, np.ndarray]:
-    """Dense float32 deltas ``{name: array of the expected shape}`` from a payload.
+    """Dense float32 deltas ``{name: array of the expected shape}`` from a payload of wire
+    format version 1 or 2 (the payload says which).
 
     ``expected``: ``{name: (shape, dtype)}`` of every array the update must carry (e.g.
-    :func:`expected_of` of the global arrays); floating dtypes only. Every field is
-    validated; any problem raises :class:`PayloadError` naming the field and the reason.
-    The result equals ``{n: t.to_dense() for n, t in sparse.items()}`` of the encoded
-    ``sparse`` bit for bit.
+    :func:`expected_of` of the global arrays); floating dtypes only. Version 2 matches
+    records to ``sorted(expected)`` by position, after checking the layout fingerprint.
+    Every field is validated; any problem raises :class:`PayloadError` naming the field
+    and the reason. The result, in ``expected``'s order, equals
+    ``{n: t.to_dense() for n, t in sparse.items()}`` of the encoded ``sparse`` bit for bit.
     """
     spec = _check_expected(expected)
     if not isinstance(payload, (bytes, bytearray, memoryview)):
@@ -684,16 +834,54 @@ def decode(payload: bytes, expected: Mapping) -> dict[str, np.ndarray]:
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r} (expected {MAGIC!r})")
     (version,) = r.unpack(_U8, "version")
-    if version != VERSION:
-        raise PayloadError(f"unknown version {version} (this decoder reads {VERSION})")
+    if version not in VERSIONS:
+        raise PayloadError(f"unknown version {version} (this decoder reads {', '.join(map(str, VERSIONS))})")
     (mode_code,) = r.unpack(_U8, "mode")
     if mode_code not in _MODE_NAME:
         raise PayloadError(f"unknown mode {mode_code} (known: {_MODE_NAME})")
     mode = _MODE_NAME[mode_code]
+    out = _decode_v1(r, spec, mode) if version == 1 else _decode_v2(r, spec, mode)
+    if r.pos != len(r.data):
+        raise PayloadError(f"{len(r.data) - r.pos} trailing bytes after the last tensor")
+    missing = [n for n in spec if n not in out]
+    if missing:
+        raise PayloadError(f"missing tensor(s): {missing}")
+    return {name: out[name] for name in spec}
+
+
+def _decode_v2(r: _Reader, spec: dict, mode: str) -> dict[str, np.ndarray]:
+    (fingerprint,) = r.unpack(_U32, "layout fingerprint")
+    want = layout_fingerprint({name: shape for name, (shape, _) in spec.items()})
+    if fingerprint != want:
+        raise PayloadError(
+            f"layout fingerprint mismatch: payload 0x{fingerprint:08x}, expected 0x{want:08x} for the "
+            f"{len(spec)} expected arrays (built for different array names or shapes)"
+        )
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(spec):
+        shape, numel = spec[name]
+        where = f"tensor {name!r}"
+        count = r.varint(f"{where} count")
+        if count > numel:
+            raise PayloadError(f"{where}: count {count} > numel {numel}")
+        if count == 0:
+            out[name] = np.zeros(shape, dtype=np.float32)
+            continue
+        scale, encoding = r.unpack(_SCALE_ENC, f"{where} scale/encoding")
+        _check_scale(scale, count, where)
+        if encoding not in _INDEX_NAME:
+            raise PayloadError(f"{where}: unknown index encoding {encoding} (known: {_INDEX_NAME})")
+        index_len = r.varint(f"{where} index block length")
+        index_block = r.take(index_len, f"{where} index block")
+        value_block = r.take(count if mode == "int8" else (count + 7) // 8, f"{where} value block")
+        out[name] = _dense(index_block, encoding, value_block, count, scale, mode, shape, numel, where)
+    return out
+
+
+def _decode_v1(r: _Reader, spec: dict, mode: str) -> dict[str, np.ndarray]:
     (num_tensors,) = r.unpack(_U32, "tensor count")
     if num_tensors > len(spec):
         raise PayloadError(f"payload declares {num_tensors} tensors, expected {len(spec)}")
-
     out: dict[str, np.ndarray] = {}
     for i in range(num_tensors):
         (name_len,) = r.unpack(_U16, f"tensor {i} name length")
@@ -713,12 +901,7 @@ def decode(payload: bytes, expected: Mapping) -> dict[str, np.ndarray]:
             raise PayloadError(f"{where}: numel {numel} != expected {size} for shape {shape}")
         if count > numel:
             raise PayloadError(f"{where}: count {count} > numel {numel}")
-        if not math.isfinite(scale):
-            raise PayloadError(f"{where}: non-finite scale {scale}")
-        if count > 0 and not scale > 0:
-            raise PayloadError(f"{where}: scale {scale} must be > 0 when {count} values are sent")
-        if count == 0 and scale != 0:
-            raise PayloadError(f"{where}: scale {scale} must be 0 when no values are sent")
+        _check_scale(scale, count, where)
         if encoding not in _INDEX_NAME:
             raise PayloadError(f"{where}: unknown index encoding {encoding} (known: {_INDEX_NAME})")
         (index_len,) = r.unpack(_U32, f"{where} index block length")
@@ -728,50 +911,30 @@ def decode(payload: bytes, expected: Mapping) -> dict[str, np.ndarray]:
         if value_len != want:
             raise PayloadError(f"{where}: value block is {value_len} bytes, expected {want} for {count} {mode} values")
         value_block = r.take(value_len, f"{where} value block")
-
-        if encoding == INDEX_VARINT:
-            indices = _decode_varint_indices(index_block, count, numel, where)
-        else:
-            indices = _decode_bitmap_indices(index_block, count, numel, where)
-        if mode == "int8":
-            codes = np.frombuffer(value_block, dtype=np.int8)
-            if np.any(codes == -128):
-                raise PayloadError(f"{where}: int8 code -128 out of range [-127, 127]")
-        else:
-            bits = np.unpackbits(np.frombuffer(value_block, dtype=np.uint8), bitorder="little")
-            if bits[count:].any():
-                raise PayloadError(f"{where}: sign block padding bits are set")
-            codes = np.where(bits[:count] == 1, -1, 1).astype(np.int8)
-        values = dequantise(codes, scale, mode)
-        if not np.all(np.isfinite(values)):  # cannot happen for a finite float32 scale
-            raise PayloadError(f"{where}: non-finite values")
-        dense = np.zeros(numel, dtype=np.float32)
-        dense[indices] = values
-        out[name] = dense.reshape(shape)
-
-    if r.pos != len(r.data):
-        raise PayloadError(f"{len(r.data) - r.pos} trailing bytes after the last tensor")
-    missing = [n for n in spec if n not in out]
-    if missing:
-        raise PayloadError(f"missing tensor(s): {missing}")
-    return {name: out[name] for name in spec}
+        out[name] = _dense(index_block, encoding, value_block, count, scale, mode, shape, numel, where)
+    return out
 
 
 # --------------------------------------------------------------------------- Flower record
 
 
 def to_record(payload: bytes):
-    """A ``flwr.app.ConfigRecord`` ``{"format": "fedind.topk", "version": 1, "payload": bytes}``
-    (ConfigRecord values may be bytes in flwr 1.42)."""
+    """A ``flwr.app.ConfigRecord`` ``{"format": "fedind.topk", "version": v, "payload": bytes}``
+    with ``v`` the wire format version of ``payload`` (read from its header; ConfigRecord
+    values may be bytes in flwr 1.42)."""
     from flwr.app import ConfigRecord  # Flower only where a payload is packed into a record
 
     if not isinstance(payload, (bytes, bytearray)):
         raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
-    return ConfigRecord({FORMAT_KEY: FORMAT, VERSION_KEY: VERSION, PAYLOAD_KEY: bytes(payload)})
+    if len(payload) < 5 or bytes(payload[:4]) != MAGIC or payload[4] not in VERSIONS:
+        raise ValueError(f"Invalid payload: no {MAGIC!r} header of a known version {VERSIONS}")
+    return ConfigRecord({FORMAT_KEY: FORMAT, VERSION_KEY: int(payload[4]), PAYLOAD_KEY: bytes(payload)})
 
 
 def from_record(record) -> bytes:
-    """The payload bytes of a record made by :func:`to_record`; PayloadError otherwise."""
+    """The payload bytes of a record made by :func:`to_record`; PayloadError otherwise
+    (including a record version that :func:`decode` cannot read or that disagrees with the
+    payload's own header)."""
     if not isinstance(record, Mapping):
         raise PayloadError(f"compressed update must be a ConfigRecord, got {type(record).__name__}")
     keys = set(record)
@@ -780,9 +943,11 @@ def from_record(record) -> bytes:
     if record[FORMAT_KEY] != FORMAT:
         raise PayloadError(f"record format {record[FORMAT_KEY]!r} != {FORMAT!r}")
     version = record[VERSION_KEY]
-    if type(version) is not int or version != VERSION:
-        raise PayloadError(f"record version {version!r} != {VERSION}")
+    if type(version) is not int or version not in VERSIONS:
+        raise PayloadError(f"record version {version!r} not in {VERSIONS}")
     payload = record[PAYLOAD_KEY]
     if not isinstance(payload, bytes):
         raise PayloadError(f"record payload must be bytes, got {type(payload).__name__}")
+    if len(payload) >= 5 and payload[:4] == MAGIC and payload[4] != version:
+        raise PayloadError(f"record version {version} != payload {payload[4]} (the header's version)")
     return payload

@@ -3,8 +3,10 @@ every way :func:`decode` rejects a malformed payload."""
 
 from __future__ import annotations
 
+import json
 import math
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from fedind.compression import (
     MAGIC,
     MODES,
     THRESHOLDS,
+    VERSION,
+    VERSIONS,
     ErrorFeedback,
     PayloadError,
     SparseTensor,
@@ -25,6 +29,7 @@ from fedind.compression import (
     encoded_size,
     expected_of,
     from_record,
+    layout_fingerprint,
     quantise,
     sampled_topk_indices,
     to_record,
@@ -115,9 +120,11 @@ def test_round_trip_error_feedback(shapes, seed, ratio, mode, threshold, log_sca
     shape=st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple),
     data=st.data(),
     mode=st.sampled_from(MODES),
+    version=st.sampled_from(VERSIONS),
 )
-def test_round_trip_any_sparse_tensor(shape, data, mode):
-    """Any valid SparseTensor, at any density (so both index encodings), decodes exactly."""
+def test_round_trip_any_sparse_tensor(shape, data, mode, version):
+    """Any valid SparseTensor, at any density (so both index encodings), decodes exactly,
+    in either wire format version."""
     numel = math.prod(shape)
     chosen = data.draw(st.sets(st.integers(0, numel - 1), max_size=numel))
     indices = np.array(sorted(chosen), dtype=np.int64)
@@ -127,8 +134,41 @@ def test_round_trip_any_sparse_tensor(shape, data, mode):
         codes = data.draw(st.lists(st.sampled_from([-1, 1]), min_size=indices.size, max_size=indices.size))
     scale = float(np.float32(data.draw(st.floats(1e-30, 1e30)))) if indices.size else 0.0
     t = SparseTensor(shape, indices, np.array(codes, dtype=np.int8), scale, mode)
-    out = decode(encode({"t": t}), {"t": (shape, np.float32)})
+    payload = encode({"t": t}, version=version)
+    assert payload[4] == version
+    out = decode(payload, {"t": (shape, np.float32)})
     np.testing.assert_array_equal(out["t"], t.to_dense())
+
+
+names_st = st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=5, unique=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    names=names_st,
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+    ratio=st.floats(0.001, 1.0),
+    mode=st.sampled_from(MODES),
+)
+def test_round_trip_v2_matches_tensors_by_sorted_position(names, data, seed, ratio, mode):
+    """Version 2 carries no names: records follow the sorted names, whatever order (and
+    whatever names, unicode included) the site's update and the server's expected have.
+    Version 1 of the same update decodes to the same arrays."""
+    shapes = [data.draw(st.lists(st.integers(0, 5), max_size=3).map(tuple)) for _ in names]
+    rng = np.random.default_rng(seed)
+    update = {n: rng.standard_normal(s).astype(np.float32) for n, s in zip(names, shapes)}
+    sparse = ErrorFeedback(mode=mode).compress(update, ratio)
+    server_order = data.draw(st.permutations(names))
+    expected = {n: (update[n].shape, np.float32) for n in server_order}
+    payload = encode(sparse)
+    assert payload[4] == VERSION == 2
+    decoded = decode(payload, expected)
+    assert list(decoded) == list(server_order)
+    old = decode(encode(sparse, version=1), expected)
+    for n in names:
+        np.testing.assert_array_equal(decoded[n], sparse[n].to_dense())
+        np.testing.assert_array_equal(old[n], decoded[n])
 
 
 # --------------------------------------------------------------------------- error feedback
@@ -239,8 +279,38 @@ def test_sampled_falls_back_to_exact_when_the_sample_would_cover_the_vector():
 # --------------------------------------------------------------------------- index encodings
 
 
+def read_varint(payload: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = payload[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def parse_layout_v2(payload: bytes, names) -> list[tuple[str, int, int]]:
+    """An independent reader of the documented version-2 layout, given the array names:
+    (name, index encoding, index block length) per tensor that sends anything."""
+    assert payload[:4] == b"FIDZ" and payload[4] == 2
+    mode = payload[5]
+    pos, out = 10, []
+    for name in sorted(names):
+        count, pos = read_varint(payload, pos)
+        if count == 0:
+            continue
+        _scale, enc = struct.unpack_from("<fB", payload, pos)
+        ilen, pos = read_varint(payload, pos + 5)
+        pos += ilen + (count if mode == 1 else (count + 7) // 8)
+        out.append((name, enc, ilen))
+    assert pos == len(payload)
+    return out
+
+
 def parse_layout(payload: bytes) -> list[tuple[str, int, int]]:
-    """An independent reader of the documented layout: (name, index encoding, index block length)."""
+    """An independent reader of the documented version-1 layout: (name, index encoding,
+    index block length)."""
     assert payload[:4] == b"FIDZ" and payload[4] == 1
     (num,) = struct.unpack_from("<I", payload, 6)
     pos, out = 10, []
@@ -262,13 +332,15 @@ def test_index_encoding_is_bitmap_when_dense_and_varint_when_sparse():
     update = {"dense": rng.standard_normal(1000).astype(np.float32), "sparse": np.zeros(1000, np.float32)}
     update["sparse"][[3, 400, 999]] = 50.0  # large: they are surely sent
     sparse = ErrorFeedback().compress(update, 0.5)
-    payload = encode(sparse)
-    layout = {name: (enc, ilen) for name, enc, ilen in parse_layout(payload)}
-    assert layout["dense"] == (2, 125)  # bitmap: ceil(1000 / 8) bytes < ~500 varints
-    assert layout["sparse"] == (1, 1 + 2 + 2)  # varints of 3, 397, 599
-    decoded = decode(payload, expected_for(update))
-    for k in update:
-        np.testing.assert_array_equal(decoded[k], sparse[k].to_dense())
+    v1, v2 = encode(sparse, version=1), encode(sparse)
+    for layout in (parse_layout(v1), parse_layout_v2(v2, update)):
+        layout = {name: (enc, ilen) for name, enc, ilen in layout}
+        assert layout["dense"] == (2, 125)  # bitmap: ceil(1000 / 8) bytes < ~500 varints
+        assert layout["sparse"] == (1, 1 + 2 + 2)  # varints of 3, 397, 599
+    for payload in (v1, v2):
+        decoded = decode(payload, expected_for(update))
+        for k in update:
+            np.testing.assert_array_equal(decoded[k], sparse[k].to_dense())
 
 
 # --------------------------------------------------------------------------- state
@@ -422,7 +494,8 @@ def test_raw_builder_makes_a_valid_payload():
 
 MALFORMED = {
     "bad magic": (raw_payload(magic=b"FIDY"), "bad magic"),
-    "unknown version": (raw_payload(version=2), "unknown version 2"),
+    "unknown version": (raw_payload(version=3), "unknown version 3"),
+    "version 0": (raw_payload(version=0), "unknown version 0"),
     "unknown mode": (raw_payload(mode=3), "unknown mode 3"),
     "trailing bytes": (raw_payload() + b"\x00", "1 trailing bytes"),
     "too many tensors": (raw_payload(num=3), "declares 3 tensors, expected 2"),
@@ -503,20 +576,319 @@ def test_decode_rejects_every_truncation():
             decode(payload[:cut], EXPECTED)
 
 
+# --------------------------------------------------------------------------- version 2 payloads
+
+# sorted(EXPECTED) == ["b", "w"]: version-2 records come in that order.
+FINGERPRINT = zlib.crc32(b'[["b",[3]],["w",[2,4]]]')  # the documented recipe, by hand
+
+
+def raw_tensor_v2(
+    count: int = 2,
+    scale: float = 1.0,
+    enc: int = 1,
+    index: bytes = varint(1) + varint(5),  # indices 1, 6
+    values: bytes = bytes([5, 256 - 7]),  # int8 codes 5, -7
+    count_bytes: bytes | None = None,
+    index_len_bytes: bytes | None = None,
+) -> bytes:
+    head = varint(count) if count_bytes is None else count_bytes
+    if count == 0:
+        return head
+    ilen = varint(len(index)) if index_len_bytes is None else index_len_bytes
+    return head + struct.pack("<fB", scale, enc) + ilen + index + values
+
+
+EMPTY_B2 = raw_tensor_v2(count=0)  # b"\x00"
+
+
+def raw_payload_v2(*tensors: bytes, magic=MAGIC, version=2, mode=1, fingerprint=FINGERPRINT) -> bytes:
+    tensors = tensors or (EMPTY_B2, raw_tensor_v2())
+    return magic + bytes([version, mode]) + struct.pack("<I", fingerprint) + b"".join(tensors)
+
+
+def test_layout_fingerprint_follows_the_documented_recipe():
+    assert layout_fingerprint(EXPECTED) == FINGERPRINT
+    assert layout_fingerprint({"w": (2, 4), "b": np.zeros(3)}) == FINGERPRINT  # shapes, arrays, specs
+    shapes = {"z.é": (2,), "a": (), "m": (0, 3)}
+    text = json.dumps([["a", []], ["m", [0, 3]], ["z.\u00e9", [2]]], separators=(",", ":"))
+    assert text == '[["a",[]],["m",[0,3]],["z.\\u00e9",[2]]]'
+    assert layout_fingerprint(shapes) == zlib.crc32(text.encode())
+
+
+def test_raw_v2_builder_makes_a_valid_payload_and_encode_writes_the_same_bytes():
+    out = decode(raw_payload_v2(), EXPECTED)
+    step = np.float32(np.float32(1.0) / 127)
+    np.testing.assert_array_equal(out["w"].ravel(), [0, 5 * step, 0, 0, 0, 0, -7 * step, 0])
+    np.testing.assert_array_equal(out["b"], np.zeros(3))
+    assert list(out) == ["w", "b"]  # expected's order, whatever the wire order
+    sign = decode(raw_payload_v2(EMPTY_B2, raw_tensor_v2(values=bytes([0b10])), mode=2), EXPECTED)
+    np.testing.assert_array_equal(sign["w"].ravel()[[1, 6]], [1.0, -1.0])
+    sparse = {
+        "w": SparseTensor((2, 4), np.array([1, 6]), np.array([5, -7], np.int8), 1.0, "int8"),
+        "b": SparseTensor((3,), np.zeros(0, np.int64), np.zeros(0, np.int8), 0.0, "int8"),
+    }
+    # the documented layouts, byte for byte (for numel 8 a 1-byte bitmap beats 2 varints)
+    bitmap = bytes([0b0100_0010])  # indices 1, 6
+    assert encode(sparse) == raw_payload_v2(EMPTY_B2, raw_tensor_v2(enc=2, index=bitmap))
+    assert encode(sparse, version=1) == raw_payload(raw_tensor(enc=2, index=bitmap), EMPTY_B)
+
+
+MALFORMED_V2 = {
+    "bad magic": (raw_payload_v2(magic=b"FIDY"), "bad magic"),
+    "unknown version": (raw_payload_v2(version=3), "unknown version 3"),
+    "unknown mode": (raw_payload_v2(mode=3), "unknown mode 3"),
+    "fingerprint mismatch": (raw_payload_v2(fingerprint=FINGERPRINT ^ 1), "layout fingerprint mismatch"),
+    "trailing bytes": (raw_payload_v2() + b"\x00", "1 trailing bytes"),
+    "trailing bytes after an empty last tensor": (
+        raw_payload_v2(raw_tensor_v2(count=1, index=varint(2), values=b"\x05"), EMPTY_B2 + b"\x07"),
+        "1 trailing bytes",
+    ),
+    "missing tensor": (raw_payload_v2(EMPTY_B2), "truncated payload: tensor 'w' count varint"),
+    "count > numel": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(count=9)), "'w': count 9 > numel 8"),
+    "count > numel in the first record": (raw_payload_v2(raw_tensor_v2(count=4)), "'b': count 4 > numel 3"),
+    "count varint truncated": (raw_payload_v2(EMPTY_B2, b"\x82"), "truncated payload: tensor 'w' count varint"),
+    "count varint too long": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count_bytes=b"\x82\x80\x80\x80\x80\x00")),
+        "'w' count: varint too long",
+    ),
+    "count varint overflow": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count_bytes=b"\x82\x80\x80\x80\x10")),
+        "'w' count: varint overflow",
+    ),
+    "count varint not minimal": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count_bytes=b"\x82\x00")),
+        "'w' count: non-minimal varint",
+    ),
+    "zero count not minimal": (raw_payload_v2(b"\x80\x00", raw_tensor_v2()), "'b' count: non-minimal varint"),
+    "nan scale": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(scale=float("nan"))), "non-finite scale"),
+    "inf scale": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(scale=float("-inf"))), "non-finite scale"),
+    "negative scale": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(scale=-1.0)), "must be > 0"),
+    "zero scale with values": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(scale=0.0)), "must be > 0"),
+    "unknown index encoding": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(enc=0)), "unknown index encoding 0"),
+    "index length varint not minimal": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(index_len_bytes=b"\x82\x00")),
+        "'w' index block length: non-minimal varint",
+    ),
+    "index length varint too long": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(index_len_bytes=b"\x82\x80\x80\x80\x80\x00")),
+        "'w' index block length: varint too long",
+    ),
+    "index length varint overflow": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(index_len_bytes=b"\x82\x80\x80\x80\x70")),
+        "'w' index block length: varint overflow",
+    ),
+    "index length past end": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(index_len_bytes=varint(99))),
+        "truncated payload: tensor 'w' index block",
+    ),
+    "index length too short": (  # one varint in the block, then the value block is cut short
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(index_len_bytes=varint(1))),
+        "'w': index block holds 1 varints, count is 2",
+    ),
+    "value block cut short": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(values=b"\x05")),
+        "truncated payload: tensor 'w' value block",
+    ),
+    "index out of range": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(index=varint(1) + varint(7))),
+        "index 8 out of range",
+    ),
+    "first index out of range": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count=1, index=varint(8), values=b"\x05")),
+        "index 8 out of range",
+    ),
+    "duplicate index": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(index=varint(1) + varint(0))), "duplicate"),
+    "index varint too long": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count=1, index=b"\x81\x80\x80\x80\x80\x00", values=b"\x05")),
+        "varint too long",
+    ),
+    "index varint overflow": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count=1, index=b"\x81\x80\x80\x80\x10", values=b"\x05")),
+        "varint overflow",
+    ),
+    "index varint not minimal": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count=1, index=b"\x81\x00", values=b"\x05")),
+        "non-minimal varint",
+    ),
+    "index varint truncated": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(index=varint(1) + b"\x85")),
+        "truncated varint at the end of the index block",
+    ),
+    "fewer varints than count": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count=3, values=b"\x01\x02\x03")),
+        "holds 2 varints, count is 3",
+    ),
+    "more varints than count": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count=1, values=b"\x01")),
+        "holds 2 varints, count is 1",
+    ),
+    "bitmap length": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(enc=2, index=b"\x42\x00")), "bitmap block is 2 bytes"),
+    "bitmap popcount": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(enc=2, index=b"\x43")), "popcount 3 != count 2"),
+    "bitmap past numel": (
+        raw_payload_v2(raw_tensor_v2(count=1, enc=2, index=b"\x08", values=b"\x05"), raw_tensor_v2()),
+        "'b': bitmap sets bits past numel 3",
+    ),
+    "int8 code -128": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(values=b"\x05\x80")), "-128 out of range"),
+    "sign padding bits": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(values=b"\x04"), mode=2), "padding bits"),
+    "sign block too long": (  # a sign block of 2 values is 1 byte: the 2nd is left over
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(values=b"\x02\x00"), mode=2),
+        "1 trailing bytes",
+    ),
+    "v1 records under a v2 header": (raw_payload_v2(raw_tensor(), EMPTY_B), "'b': unknown index encoding 0"),
+}
+
+
+@pytest.mark.parametrize("payload, match", list(MALFORMED_V2.values()), ids=list(MALFORMED_V2))
+def test_decode_rejects_malformed_v2_payload(payload, match):
+    assert payload[4] in (2, 3)
+    with pytest.raises(PayloadError, match=match):
+        decode(payload, EXPECTED)
+
+
+@pytest.mark.parametrize(
+    "site_shapes",
+    [
+        {"w": (8,), "b": (3,)},  # same sizes, another shape
+        {"w": (2, 4), "c": (3,)},  # a renamed array
+        {"w": (2, 4)},  # an array missing
+        {"w": (2, 4), "b": (3,), "a": (1,)},  # an array too many
+        {"w": (2, 4), "b": (4,)},  # another size
+    ],
+    ids=["reshaped", "renamed", "missing", "extra", "resized"],
+)
+def test_v2_payload_for_another_layout_is_rejected_by_fingerprint(site_shapes):
+    sparse = {
+        n: SparseTensor(s, np.zeros(0, np.int64), np.zeros(0, np.int8), 0.0, "int8") for n, s in site_shapes.items()
+    }
+    with pytest.raises(PayloadError, match="layout fingerprint mismatch"):
+        decode(encode(sparse), EXPECTED)
+    # the same arrays in another order are the same layout
+    same = {
+        n: SparseTensor(s[0], np.zeros(0, np.int64), np.zeros(0, np.int8), 0.0, "sign") for n, s in EXPECTED.items()
+    }
+    reordered = {"b": same["b"], "w": same["w"]}
+    assert encode(same) == encode(reordered)
+    assert set(decode(encode(reordered), EXPECTED)) == {"w", "b"}
+
+
+def v2_truncation_payloads() -> dict[str, tuple[bytes, dict]]:
+    rng = np.random.default_rng(11)
+    update = {"dense": rng.standard_normal(1000).astype(np.float32), "sparse": np.zeros(1000, np.float32)}
+    update["sparse"][[3, 400, 999]] = 50.0
+    update["empty"] = np.zeros(7, np.float32)
+    out = {"raw": (raw_payload_v2(), EXPECTED)}
+    for mode in MODES:  # bitmap, varint and empty records, in both value modes
+        out[mode] = (encode(ErrorFeedback(mode=mode).compress(update, 0.5)), expected_for(update))
+    return out
+
+
+@pytest.mark.parametrize("name", ["raw", *MODES])
+def test_decode_rejects_every_v2_truncation(name):
+    """Cut anywhere, every v2 field (header, fingerprint, varints, scale, blocks) is
+    reported as truncated."""
+    payload, expected = v2_truncation_payloads()[name]
+    assert payload[4] == 2
+    decode(payload, expected)  # the whole payload is valid
+    for cut in range(len(payload)):
+        with pytest.raises(PayloadError, match="truncated payload"):
+            decode(payload[:cut], expected)
+
+
+def test_v1_payloads_still_decode():
+    rng = np.random.default_rng(12)
+    for mode in MODES:
+        ef = ErrorFeedback(mode=mode)
+        for _ in range(2):
+            update = model_update(rng)
+            sparse = ef.compress(update, 0.01)
+            v1 = encode(sparse, version=1)
+            assert v1[4] == 1 and [n for n, _, _ in parse_layout(v1)] == list(update)
+            decoded = decode(v1, expected_for(update))
+            assert list(decoded) == list(update)
+            for k in update:
+                np.testing.assert_array_equal(decoded[k], sparse[k].to_dense())
+            record = from_record(to_record(v1))
+            assert record == v1 and to_record(v1)["version"] == 1
+
+
+def test_encode_rejects_unknown_version():
+    t = SparseTensor((2,), np.array([0]), np.array([1], np.int8), 1.0, "int8")
+    for version in (0, 3, "2", True, 2.0):
+        with pytest.raises(ValueError, match="Invalid version"):
+            encode({"t": t}, version=version)
+
+
 @pytest.mark.parametrize("payload", ["FIDZ", None, [1, 2]])
 def test_decode_rejects_non_bytes(payload):
     with pytest.raises(PayloadError, match="must be bytes"):
         decode(payload, EXPECTED)
 
 
-@pytest.mark.parametrize("expected", [{}, {"w": (2, 4)}, {"w": ((2, 4), np.int64)}])
+@pytest.mark.parametrize(
+    "expected", [{}, {"w": (2, 4)}, {"w": ((2, 4), np.int64)}, {1: ((2, 4), np.float32)}]
+)
 def test_decode_blames_the_caller_not_the_site_for_bad_expected(expected):
-    with pytest.raises(ValueError) as info:
-        decode(raw_payload(), expected)
-    assert not isinstance(info.value, PayloadError)
+    for payload in (raw_payload(), raw_payload_v2()):
+        with pytest.raises(ValueError) as info:
+            decode(payload, expected)
+        assert not isinstance(info.value, PayloadError)
 
 
 # --------------------------------------------------------------------------- size
+
+
+def faultcnn_shapes() -> dict[str, tuple[int, ...]]:
+    """The arrays the sites send: FaultCNN(width=32).state_dict(), from the model itself."""
+    from fedind.models import FaultCNN
+
+    return {k: tuple(v.shape) for k, v in FaultCNN(width=32).state_dict().items()}
+
+
+def test_model_shapes_are_faultcnn_width_32():
+    assert faultcnn_shapes() == MODEL_SHAPES
+
+
+# Payload bytes on FaultCNN(width=32) (14 arrays, 51,018 float32 = 204,072 bytes dense),
+# third round with error feedback, update ~ N(0, 0.01), exact top-k (seeded, so exact):
+#
+#   mode  ratio   k      v1 bytes  (x dense)    v2 bytes  (x dense)   v2 bytes/coordinate
+#   int8  0.1     5,102  10,751    (19x)        10,316    (20x)       2.02
+#   int8  0.01      510   1,702    (120x)        1,224    (167x)      2.40
+#   int8  0.001      51     695    (294x)          202    (1,010x)    3.96
+#   sign  0.1     5,102   6,294    (32x)         5,859    (35x)       1.15
+#   sign  0.01      510   1,259    (162x)          781    (261x)      1.53
+#   sign  0.001      51     653    (313x)          160    (1,275x)    3.14
+#
+# v1 spends ~35 bytes per array on headers (name, numel, u32 lengths); v2 spends 1 byte on an
+# array that sends nothing and ~8 on one that does, plus a 10-byte payload header.
+SIZES = {  # (mode, ratio): (v1 bytes, v2 bytes)
+    ("int8", 0.1): (10_751, 10_316),
+    ("int8", 0.01): (1_702, 1_224),
+    ("int8", 0.001): (695, 202),
+    ("sign", 0.1): (6_294, 5_859),
+    ("sign", 0.01): (1_259, 781),
+    ("sign", 0.001): (653, 160),
+}
+
+
+@pytest.mark.parametrize("mode, ratio", list(SIZES), ids=[f"{m}-{r}" for m, r in SIZES])
+def test_payload_size_on_faultcnn(mode, ratio):
+    shapes = faultcnn_shapes()
+    dense = dense_size_bytes(shapes)
+    assert dense == 4 * 51_018
+    rng = np.random.default_rng(0)
+    ef = ErrorFeedback(mode=mode)
+    for _ in range(3):  # with a residual
+        update = {k: (rng.standard_normal(s) * 0.01).astype(np.float32) for k, s in shapes.items()}
+        sparse = ef.compress(update, ratio)
+    v1, v2 = encoded_size(sparse, version=1), encoded_size(sparse)
+    for got, want in zip((v1, v2), SIZES[mode, ratio]):  # the table above (exact today; the
+        assert abs(got - want) <= 0.03 * want, (v1, v2)  # slack is for other RNG streams)
+    assert v2 < v1
+    if ratio <= 0.01:
+        assert dense / v2 >= 100, (v2, dense / v2)
+    if (mode, ratio) == ("int8", 0.01):
+        assert dense / v2 >= 150
 
 
 def test_one_percent_int8_is_over_100x_smaller_than_dense():
@@ -528,8 +900,9 @@ def test_one_percent_int8_is_over_100x_smaller_than_dense():
     for _ in range(3):  # with a residual, too
         sparse = ef.compress(model_update(rng), 0.01)
         size = encoded_size(sparse)
-        # Measured: 1,712 bytes vs 204,072 -> 119x (about 540 of them are the 14 tensor headers).
+        # Measured (v2): 1,244-1,250 bytes vs 204,072 -> ~164x (v1: 1,711-1,716, 119x; see SIZES).
         assert dense / size >= 100, (size, dense / size)
+        assert size < encoded_size(sparse, version=1)
 
 
 # --------------------------------------------------------------------------- Flower record
@@ -555,7 +928,9 @@ def test_config_record_round_trip_through_protobuf():
     [
         ({"format": "fedind.topk", "version": 1}, "keys"),
         ({"format": "fedind.other", "version": 1, "payload": b""}, "format"),
-        ({"format": "fedind.topk", "version": 2, "payload": b""}, "version"),
+        ({"format": "fedind.topk", "version": 3, "payload": b""}, "version"),
+        ({"format": "fedind.topk", "version": 1, "payload": MAGIC + b"\x02\x01"}, "record version 1 != payload 2"),
+        ({"format": "fedind.topk", "version": 2, "payload": MAGIC + b"\x01\x01"}, "record version 2 != payload 1"),
         ({"format": "fedind.topk", "version": True, "payload": b""}, "version"),
         ({"format": "fedind.topk", "version": 1, "payload": "FIDZ"}, "must be bytes"),
         (b"FIDZ", "must be a ConfigRecord"),
@@ -564,3 +939,13 @@ def test_config_record_round_trip_through_protobuf():
 def test_from_record_rejects_foreign_records(record, match):
     with pytest.raises(PayloadError, match=match):
         from_record(record)
+
+
+def test_to_record_carries_the_payload_version():
+    for version in VERSIONS:
+        payload = raw_payload_v2() if version == 2 else raw_payload()
+        record = to_record(payload)
+        assert record["version"] == version and from_record(record) == payload
+    for junk in (b"", b"FIDZ", b"FIDZ\x03", b"XXXX\x02"):
+        with pytest.raises(ValueError, match="Invalid payload"):
+            to_record(junk)
