@@ -357,12 +357,30 @@ class MomentumBuffer:
         self._buffers = loaded
 
 
+
+def _per_array(deltas: Sequence[Mapping[str, np.ndarray]], weights) -> tuple[np.ndarray, dict]:
+    """Validated weights, and per array name the sites' arrays and the result dtype."""
+    if len(deltas) == 0:
+        raise ValueError("Invalid deltas: need at least one site")
+    w = _weights(weights, len(deltas))
+    names = list(deltas[0])
+    for i, d in enumerate(deltas):
+        if set(d) != set(names):
+            raise ValueError(f"Invalid delta of site {i}: names {sorted(d)} != {sorted(names)}")
+    by_name = {}
+    for name in names:
+        arrays = [np.asarray(d[name]) for d in deltas]
+        shapes = {a.shape for a in arrays}
+        if len(shapes) != 1:
+            raise ValueError(f"Invalid deltas[{name!r}]: shapes differ across sites {shapes}")
+        by_name[name] = (arrays, np.result_type(*(a.dtype for a in arrays), np.float32))
+    return w, by_name
+
 def conflict_aware_aggregate(
     deltas: Sequence[Mapping[str, np.ndarray]],
     weights,
     buffer: MomentumBuffer,
     threshold: float,
-    agreement_buffer: MomentumBuffer | None = None,
 ) -> dict[str, np.ndarray]:
     r"""Weighted mean of the sites' deltas, conflicting coordinates through ``buffer``.
 
@@ -372,38 +390,19 @@ def conflict_aware_aggregate(
 
     .. math::  \Delta = \bar d\,[A \ge \tau] + \mathrm{buffer.step}(\bar d\,[A < \tau])
 
-    With ``agreement_buffer`` the agreeing part goes through it as well:
-    :math:`\Delta = \mathrm{agreement\_buffer.step}(\bar d\,[A \ge \tau]) + \dots`. Built as
-    ``MomentumBuffer(beta, lr_scale=1 / (1 - beta))`` it is heavy-ball server momentum
-    (FedAvgM) on the coordinates the sites agree on, while the conflicting ones are only
-    averaged over rounds (damped), never amplified.
-
     ``threshold = 0`` with a fresh buffer is exactly the weighted average; so is a single
     site (its agreement is 1 everywhere). 0-dim arrays work like any other. The result has
     each array's input dtype.
     """
-    if len(deltas) == 0:
-        raise ValueError("Invalid deltas: need at least one site")
-    w = _weights(weights, len(deltas))
-    names = list(deltas[0])
-    for i, d in enumerate(deltas):
-        if set(d) != set(names):
-            raise ValueError(f"Invalid delta of site {i}: names {sorted(d)} != {sorted(names)}")
+    w, by_name = _per_array(deltas, weights)
     agreeing, conflicting, dtypes = {}, {}, {}
-    for name in names:
-        arrays = [np.asarray(d[name]) for d in deltas]
-        shapes = {a.shape for a in arrays}
-        if len(shapes) != 1:
-            raise ValueError(f"Invalid deltas[{name!r}]: shapes differ across sites {shapes}")
-        dtypes[name] = np.result_type(*(a.dtype for a in arrays), np.float32)
+    for name, (arrays, dtypes[name]) in by_name.items():
         mean = np.average(np.stack(arrays), axis=0, weights=w)
         agreeing[name], conflicting[name] = split_conflicts(
             mean, sign_agreement(arrays, w), threshold
         )
     applied = buffer.step(conflicting)
-    if agreement_buffer is not None:
-        agreeing = agreement_buffer.step(agreeing)
-    return {n: (agreeing[n] + applied[n]).astype(dtypes[n], copy=False) for n in names}
+    return {n: (agreeing[n] + applied[n]).astype(dtypes[n], copy=False) for n in by_name}
 
 
 def heavy_ball(beta: float) -> MomentumBuffer | None:
@@ -509,21 +508,10 @@ def conflict_momentum_aggregate(
     overshoot into the damped buffer while the amplified one keeps pushing — in fedind's
     default run that drove the model to chance level. The result has each array's input dtype.
     """
-    if len(deltas) == 0:
-        raise ValueError("Invalid deltas: need at least one site")
-    w = _weights(weights, len(deltas))
-    names = list(deltas[0])
-    for i, d in enumerate(deltas):
-        if set(d) != set(names):
-            raise ValueError(f"Invalid delta of site {i}: names {sorted(d)} != {sorted(names)}")
+    w, by_name = _per_array(deltas, weights)
     means, gains, dtypes = {}, {}, {}
-    for name in names:
-        arrays = [np.asarray(d[name]) for d in deltas]
-        shapes = {a.shape for a in arrays}
-        if len(shapes) != 1:
-            raise ValueError(f"Invalid deltas[{name!r}]: shapes differ across sites {shapes}")
-        dtypes[name] = np.result_type(*(a.dtype for a in arrays), np.float32)
+    for name, (arrays, dtypes[name]) in by_name.items():
         means[name] = np.average(np.stack(arrays), axis=0, weights=w)
         gains[name] = agreement_gain(sign_agreement(arrays, w), threshold, damping)
     step = momentum.step(means, gains)
-    return {n: step[n].astype(dtypes[n], copy=False) for n in names}
+    return {n: step[n].astype(dtypes[n], copy=False) for n in by_name}

@@ -365,26 +365,6 @@ def test_aggregate_rejects_mismatched_inputs():
         conflict_aware_aggregate([{"a": np.ones(2)}], [-1], buf, 0.5)
 
 
-def test_heavy_ball_agreement_buffer_accelerates_agreeing_and_damps_conflicting():
-    from fedind.aggregation import heavy_ball
-
-    beta = 0.5
-    conflict = MomentumBuffer(beta=beta)
-    agree = heavy_ball(beta)
-    # coordinate 0: both sites +1 (agree); coordinate 1: +1 vs -3 (conflict, mean -1)
-    deltas = [{"w": np.array([1.0, 1.0])}, {"w": np.array([1.0, -3.0])}]
-    out1 = conflict_aware_aggregate(deltas, [0.5, 0.5], conflict, threshold=0.5, agreement_buffer=agree)
-    out2 = conflict_aware_aggregate(deltas, [0.5, 0.5], conflict, threshold=0.5, agreement_buffer=agree)
-    # agreeing: v1 = 1 -> applied 1; v2 = 0.5 + 1 = 1.5 -> applied 1.5 (amplified)
-    # conflicting: v1 = -1 -> applied 0.5 * -1; v2 = -1.5 -> applied -0.75 (damped)
-    np.testing.assert_allclose(out1["w"], [1.0, -0.5])
-    np.testing.assert_allclose(out2["w"], [1.5, -0.75])
-    assert heavy_ball(0.0) is None
-
-
-# ------------------------------------------------------------ conflict-aware server momentum
-
-
 def test_agreement_gain_formula_and_edges():
     from fedind.aggregation import agreement_gain
 
@@ -451,3 +431,12 @@ def test_conflict_momentum_aggregate_oracle():
     )
     with pytest.raises(ValueError, match="names"):
         conflict_momentum_aggregate([{"a": np.ones(2)}, {"b": np.ones(2)}], [1, 1], m, 0.5)
+
+
+def test_heavy_ball_is_fedavgm_momentum():
+    from fedind.aggregation import heavy_ball
+
+    buffer = heavy_ball(0.5)
+    np.testing.assert_allclose(buffer.step({"w": np.array([1.0])})["w"], [1.0])  # v1 = 1
+    np.testing.assert_allclose(buffer.step({"w": np.array([1.0])})["w"], [1.5])  # v2 = 0.5 + 1
+    assert heavy_ball(0.0) is None
