@@ -103,18 +103,24 @@ class MeteredGrid(Grid):
         return self._grid.pull_messages(message_ids)
 
 
+def site_id_of(reply: Message) -> str:
+    """The site's id from its ``site`` ConfigRecord, else ``node-<node id>``."""
+    site = reply.content.config_records.get(wire.SITE) if reply.has_content() else None
+    if site is not None and wire.SITE_ID in site:
+        return str(site[wire.SITE_ID])
+    return f"node-{reply.metadata.src_node_id}"
+
+
 def _reply_order(reply: Message) -> tuple:
     if reply.has_error():
         return (1, "", reply.metadata.src_node_id)
-    return (0, _describe(reply).site_id, reply.metadata.src_node_id)
+    return (0, site_id_of(reply), reply.metadata.src_node_id)
 
 
 def _describe(reply: Message) -> SiteReply:
-    content = reply.content
-    site = content.config_records.get(wire.SITE)
-    metrics = next(iter(content.metric_records.values()), None)
+    metrics = next(iter(reply.content.metric_records.values()), None)
     return SiteReply(
-        site_id=str(site[wire.SITE_ID]) if site and wire.SITE_ID in site else f"node-{reply.metadata.src_node_id}",
+        site_id=site_id_of(reply),
         node_id=reply.metadata.src_node_id,
         message_type=reply.metadata.message_type,
         metrics=dict(metrics) if metrics is not None else {},

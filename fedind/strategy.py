@@ -37,6 +37,7 @@ from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg
 
 from . import wire
+from .metering import site_id_of
 from .aggregation import (
     GlobalHistogram,
     MomentumBuffer,
@@ -338,7 +339,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         if histogram is not None:
             _check_histogram(histogram, self.num_classes, n)
         return SiteUpdate(
-            site_id=_site_id(reply),
+            site_id=site_id_of(reply),
             node_id=reply.metadata.src_node_id,
             num_examples=float(n),
             histogram=None if histogram is None else [int(c) for c in histogram],
@@ -352,7 +353,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         updates: list[SiteUpdate] = []
         seen: set[str] = set()
         for reply in replies:
-            site_id = _site_id(reply)
+            site_id = site_id_of(reply)
             try:
                 update = self.validate_reply(reply, current)
                 if site_id in seen:
@@ -502,14 +503,6 @@ def _is_real(x) -> bool:
 
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _site_id(reply: Message) -> str:
-    """The site's id from its ``site`` ConfigRecord, else ``node-<node id>``."""
-    site = reply.content.config_records.get(wire.SITE) if reply.has_content() else None
-    if site is not None and wire.SITE_ID in site:
-        return str(site[wire.SITE_ID])
-    return f"node-{reply.metadata.src_node_id}"
 
 
 def _decode(name: str, array: Array, expected: np.ndarray) -> np.ndarray:
