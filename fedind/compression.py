@@ -150,6 +150,7 @@ __all__ = [
     "sampled_topk_indices",
     "to_record",
     "topk_indices",
+    "warmup_ratio",
 ]
 
 MAGIC = b"FIDZ"
@@ -292,6 +293,29 @@ def sampled_topk_indices(
     return cand.astype(np.int64, copy=False)
 
 
+def warmup_ratio(ratio: float, server_round: int, warmup_rounds: int) -> float:
+    r"""Share of coordinates to send in ``server_round`` (1-based) with a sparsity warm-up.
+
+    DGC's warm-up, per round: the density falls geometrically from 1 towards ``ratio``
+    over the first ``warmup_rounds`` rounds, then stays at ``ratio``:
+
+    .. math::  \rho_t = \rho^{\min(1,\, t / (W + 1))}
+
+    so with ``ratio = 0.01`` and ``W = 3``: 0.316, 0.1, 0.0316, then 0.01. Early rounds move
+    the model most (largest learning rate, furthest from a good model); what a sparse
+    update holds back then is stale by the time error feedback sends it. ``W = 0``: always
+    ``ratio``.
+    """
+    if isinstance(ratio, bool) or not (isinstance(ratio, (int, float, np.floating)) and 0 < ratio <= 1):
+        raise ValueError(f"Invalid ratio value: {ratio!r} (expected 0 < ratio <= 1)")
+    for name, value, low in (("server_round", server_round, 1), ("warmup_rounds", warmup_rounds, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"Invalid {name} value: {value!r} (expected an int >= {low})")
+    if server_round > warmup_rounds:
+        return float(ratio)
+    return float(ratio ** (server_round / (warmup_rounds + 1)))
+
+
 # --------------------------------------------------------------------------- sparse tensor
 
 
@@ -367,11 +391,11 @@ class ErrorFeedback:
 
     .. math::
 
-        u' = u + r, \qquad s = Q(\mathrm{top}_k(u')), \qquad r \leftarrow u' - \hat s
+        u' = u + \gamma r, \qquad s = Q(\mathrm{top}_k(u')), \qquad r \leftarrow u' - \hat s
 
     with ``k = max(1, round(ratio * N))`` over all ``N`` coordinates of the update taken
     together (global top-k), ``Q`` the per-tensor quantiser of ``mode`` and :math:`\hat s`
-    its dequantised value, so :math:`\hat s + r_{new} = u + r_{old}`.
+    its dequantised value, so :math:`\hat s + r_{new} = u + \gamma r_{old}`.
 
     ``threshold="exact"`` selects with argpartition; ``"sampled"`` estimates the k-th
     magnitude from a random sample (:func:`sampled_topk_indices`: never more than ``k``
@@ -379,18 +403,28 @@ class ErrorFeedback:
     ``default_rng([seed, step])``, ``step`` counting calls to :meth:`compress` and saved in
     :meth:`state_dict`, so a restored site draws what it would have drawn.
 
+    ``decay`` :math:`\gamma \in [0, 1]` scales the carried residual,
+    :math:`u' = u + \gamma r` (1 = classic error feedback, nothing lost; 0 = plain top-k,
+    no memory). Why less than 1 can help in federated learning: a site's update is the
+    displacement of several local epochs from the current global model, not a gradient;
+    when a coordinate is not sent, the next round's local training pushes it again from
+    the same place, so a full residual counts that displacement twice.
+
     Residuals are float32, created lazily by the first :meth:`compress`; later updates must
     have the same array names and shapes.
     """
 
-    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0) -> None:
+    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0, decay: float = 1.0) -> None:
         if mode not in MODES:
             raise ValueError(f"Invalid mode value: {mode!r} (expected one of {MODES})")
         if threshold not in THRESHOLDS:
             raise ValueError(f"Invalid threshold value: {threshold!r} (expected one of {THRESHOLDS})")
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"Invalid seed value: {seed!r}")
+        if isinstance(decay, bool) or not (isinstance(decay, (int, float, np.floating)) and 0 <= decay <= 1):
+            raise ValueError(f"Invalid decay value: {decay!r} (expected 0 <= decay <= 1)")
         self.mode = mode
+        self.decay = float(decay)
         self.threshold = threshold
         self.seed = int(seed)
         self._residuals: dict[str, np.ndarray] = {}
@@ -434,7 +468,7 @@ class ErrorFeedback:
         for name, lo, hi in zip(names, offsets[:-1], offsets[1:]):
             flat[lo:hi] = arrays[name].ravel()
             if name in self._residuals:
-                flat[lo:hi] += self._residuals[name].ravel()
+                flat[lo:hi] += self.decay * self._residuals[name].ravel()
         if not np.all(np.isfinite(flat)):
             raise ValueError("Invalid update: update + residual overflows float32")
 

@@ -58,6 +58,8 @@ class RunConfig:
     topk_ratio: float = 0.01  # topk: share of coordinates sent per round
     topk_quantization: str = "int8"  # topk: int8 (linear, per-tensor scale) | sign (1 bit + scale)
     topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
+    topk_residual_decay: float = 1.0  # topk: share of the error-feedback residual carried to the next round
+    topk_warmup_rounds: int = 0  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
 
@@ -89,6 +91,8 @@ class RunConfig:
             "topk-ratio": 0 < self.topk_ratio <= 1,
             "topk-quantization": self.topk_quantization in ("int8", "sign"),
             "topk-threshold": self.topk_threshold in ("exact", "sampled"),
+            "topk-residual-decay": 0 <= self.topk_residual_decay <= 1,
+            "topk-warmup-rounds": self.topk_warmup_rounds >= 0,
             "device": self.device in ("auto", "cpu", "cuda"),
             "round-timeout": self.round_timeout > 0,
         }

@@ -21,7 +21,16 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
 
 from . import wire
-from .compression import ErrorFeedback, PayloadError, decode, encode, expected_of, from_record, to_record
+from .compression import (
+    ErrorFeedback,
+    PayloadError,
+    decode,
+    encode,
+    expected_of,
+    from_record,
+    to_record,
+    warmup_ratio,
+)
 from .config import RunConfig
 
 RESIDUALS = "topk-residuals"  # context.state ArrayRecord: error-feedback residuals
@@ -30,7 +39,9 @@ REJECTED_PAYLOAD = 1001  # Error code of a site reply whose sparse payload was r
 
 
 def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedback:
-    feedback = ErrorFeedback(mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed)
+    feedback = ErrorFeedback(
+        mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed, decay=config.topk_residual_decay
+    )
     if RESIDUALS in context.state:
         residuals = {k: v.numpy() for k, v in context.state[RESIDUALS].items()}
         feedback.load_state_dict({"residuals": residuals, "step": int(context.state[FEEDBACK_STATE]["step"])})
@@ -56,7 +67,9 @@ def topk_mod(msg: Message, context: Context, call_next: Callable[[Message, Conte
     sent, local = msg.content[wire.ARRAYS], reply.content[wire.ARRAYS]
     delta = {name: local[name].numpy().astype(np.float32) - sent[name].numpy().astype(np.float32) for name in sent}
     feedback = _load_feedback(context, config, seed=config.seed + int(context.node_id % 2**31))
-    payload = encode(feedback.compress(delta, config.topk_ratio))
+    server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
+    ratio = warmup_ratio(config.topk_ratio, server_round, config.topk_warmup_rounds)
+    payload = encode(feedback.compress(delta, ratio))
     _save_feedback(context, feedback)
     content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})
     content[wire.SPARSE_UPDATE] = to_record(payload)

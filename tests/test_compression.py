@@ -34,6 +34,7 @@ from fedind.compression import (
     sampled_topk_indices,
     to_record,
     topk_indices,
+    warmup_ratio,
 )
 
 # FaultCNN(width=32).state_dict() shapes (the run config's model-width): 51,018 float32s.
@@ -949,3 +950,60 @@ def test_to_record_carries_the_payload_version():
     for junk in (b"", b"FIDZ", b"FIDZ\x03", b"XXXX\x02"):
         with pytest.raises(ValueError, match="Invalid payload"):
             to_record(junk)
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def test_warmup_ratio_falls_geometrically_to_the_ratio_then_stays():
+    got = [warmup_ratio(0.01, t, 3) for t in range(1, 7)]
+    np.testing.assert_allclose(got, [0.01**0.25, 0.1, 0.01**0.75, 0.01, 0.01, 0.01], rtol=1e-12)
+    assert all(a > b for a, b in zip(got[:4], got[1:4]))
+
+
+def test_warmup_ratio_without_warmup_is_the_ratio():
+    assert [warmup_ratio(0.05, t, 0) for t in (1, 2, 80)] == [0.05, 0.05, 0.05]
+
+
+@pytest.mark.parametrize(
+    "args", [(0.0, 1, 2), (1.5, 1, 2), (0.1, 0, 2), (0.1, 1, -1), (0.1, True, 2), (0.1, 1.0, 2)]
+)
+def test_warmup_ratio_rejects_bad_arguments(args):
+    with pytest.raises(ValueError, match="Invalid"):
+        warmup_ratio(*args)
+
+
+# --------------------------------------------------------------------------- residual decay
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5, 1.0])
+def test_residual_decay_scales_what_is_carried(decay):
+    """sent + new residual == update + decay * old residual (the invariant with decay)."""
+    rng = np.random.default_rng(3)
+    ef = ErrorFeedback(decay=decay)
+    update = {"w": rng.standard_normal(200).astype(np.float32)}
+    ef.compress(update, 0.05)
+    old = ef.state_dict()["residuals"]["w"]
+    second = {"w": rng.standard_normal(200).astype(np.float32)}
+    sent = ef.compress(second, 0.05)["w"].to_dense()
+    new = ef.state_dict()["residuals"]["w"]
+    expected = second["w"] + np.float32(decay) * old
+    np.testing.assert_allclose(sent + new, expected, rtol=0, atol=1e-6)
+
+
+def test_zero_decay_is_plain_topk_without_memory():
+    rng = np.random.default_rng(4)
+    first = {"w": rng.standard_normal(100).astype(np.float32)}
+    second = {"w": rng.standard_normal(100).astype(np.float32)}
+    ef = ErrorFeedback(decay=0.0)
+    ef.compress(first, 0.1)
+    with_history = ef.compress(second, 0.1)["w"]
+    fresh = ErrorFeedback().compress(second, 0.1)["w"]
+    np.testing.assert_array_equal(with_history.indices, fresh.indices)
+    np.testing.assert_array_equal(with_history.codes, fresh.codes)
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.5, True, "1"])
+def test_invalid_decay_is_rejected(decay):
+    with pytest.raises(ValueError, match="Invalid decay"):
+        ErrorFeedback(decay=decay)

@@ -22,12 +22,12 @@ def arrays(seed: int, scale: float = 1.0) -> dict:
     return {k: (scale * rng.normal(size=s)).astype(np.float32) for k, s in SHAPES.items()}
 
 
-def instruction(global_arrays: dict, **config) -> Message:
+def instruction(global_arrays: dict, server_round: int = 1, **config) -> Message:
     run_config = RunConfig(**config).to_flower()
     content = RecordDict(
         {
             wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in global_arrays.items()}),
-            wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(run_config), wire.SERVER_ROUND: 1}),
+            wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(run_config), wire.SERVER_ROUND: server_round}),
         }
     )
     return Message(content, message_type=MessageType.TRAIN, dst_node_id=7)
@@ -97,6 +97,19 @@ def test_error_feedback_residual_persists_in_context_state_across_rounds():
     assert int(ctx.state["topk-state"]["step"]) == 2
 
 
+def test_sparsity_warmup_sends_more_in_the_first_rounds_then_the_ratio():
+    g = arrays(0)
+    local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
+    total = sum(v.size for v in g.values())
+    ctx = context()
+    sent_counts = []
+    for server_round in (1, 2, 3):
+        msg = instruction(g, server_round, compression="topk", topk_ratio=0.01, topk_warmup_rounds=1)
+        sent = decode(from_record(topk_mod(msg, ctx, site_training(local)).content[wire.SPARSE_UPDATE]), expected_of(g))
+        sent_counts.append(sum(int(np.count_nonzero(v)) for v in sent.values()))
+    assert sent_counts == [round(0.1 * total), round(0.01 * total), round(0.01 * total)]
+
+
 def corrupt(reply: Message) -> Message:
     record = reply.content[wire.SPARSE_UPDATE]
     payload = bytearray(record["payload"])
@@ -124,7 +137,10 @@ def test_a_malformed_payload_becomes_an_error_reply_and_a_counted_failure():
     assert traffic.uplink_bytes == payload_bytes(reply.content)  # the bytes did cross the wire
 
 
-@pytest.mark.parametrize("key, value", [("topk-ratio", 0.0), ("topk-quantization", "fp8"), ("compression", "zip")])
+@pytest.mark.parametrize(
+    "key, value",
+    [("topk-ratio", 0.0), ("topk-quantization", "fp8"), ("compression", "zip"), ("topk-warmup-rounds", -1)],
+)
 def test_invalid_compression_settings_fail_at_start(key, value):
     with pytest.raises(ValueError, match=key):
         RunConfig.from_flower({key: value})
