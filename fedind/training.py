@@ -37,6 +37,29 @@ def _autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+def prior_logit_adjustment(histogram, tau: float = 1.0, floor: float = 1e-4) -> torch.Tensor:
+    r"""Logit adjustment for training on a label-skewed site: :math:`\tau \log \pi`.
+
+    :math:`\pi` is the site's label distribution (``histogram`` / total, classes it lacks
+    get ``floor``). Training on ``logits + adjustment`` (balanced softmax, as in FedLC /
+    logit-adjusted loss) lets the adjustment, not the model, carry the site's label prior:
+    the local optimum is a model of :math:`p(x \mid y)`, so the head's bias does not learn
+    "predict my frequent classes" and the classes a site never sees are not pushed down
+    (their adjusted logits are ~:math:`\tau \log` ``floor``, so they get almost no
+    gradient). Evaluation uses the plain logits. ``tau = 0`` gives zeros (plain
+    cross-entropy).
+    """
+    counts = np.asarray(histogram, dtype=np.float64)
+    if counts.ndim != 1 or counts.size < 1 or np.any(counts < 0) or not np.all(np.isfinite(counts)) or counts.sum() <= 0:
+        raise ValueError(f"Invalid histogram: {histogram!r} (non-negative counts, not all zero)")
+    if not (math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"Invalid tau value: {tau!r}")
+    if not (0 < floor < 1):
+        raise ValueError(f"Invalid floor value: {floor!r}")
+    prior = np.maximum(counts / counts.sum(), floor)
+    return torch.tensor(tau * np.log(prior), dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class TrainResult:
     loss: float  # mean training loss over the local steps
@@ -55,8 +78,12 @@ def train_local(
     momentum: float = 0.9,
     weight_decay: float = 1e-4,
     proximal_mu: float = 0.0,
+    logit_adjustment: torch.Tensor | None = None,
 ) -> TrainResult:
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
+
+    ``logit_adjustment`` (``[num_classes]``, e.g. :func:`prior_logit_adjustment`) is added
+    to the logits of the training loss only.
 
     ``proximal_mu > 0`` adds FedProx's ``mu/2 * ||w - w_global||^2`` to the loss, with
     ``w_global`` the weights the model had on entry.
@@ -68,13 +95,17 @@ def train_local(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     loss_fn = nn.CrossEntropyLoss()
+    adjust = None if logit_adjustment is None else logit_adjustment.to(device)
     total, steps = 0.0, 0
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=generator).to(device)
         for start in range(0, len(y), batch_size):
             batch = order[start : start + batch_size]
             with _autocast(device):
-                loss = loss_fn(model(x[batch]), y[batch])
+                logits = model(x[batch])
+                if adjust is not None:
+                    logits = logits + adjust
+                loss = loss_fn(logits, y[batch])
             if anchor is not None:
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
                 loss = loss + 0.5 * proximal_mu * prox

@@ -1,0 +1,74 @@
+"""Local training: the label-prior logit adjustment (formula, and what it does to training)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedind.data.format import SiteArrays
+from fedind.models import FaultCNN
+from fedind.training import prior_logit_adjustment, train_local
+
+
+def test_adjustment_is_tau_log_prior_with_a_floor_for_missing_classes():
+    adj = prior_logit_adjustment([30, 10, 0, 60], tau=0.5, floor=1e-4)
+    expected = 0.5 * np.log([0.3, 0.1, 1e-4, 0.6])
+    np.testing.assert_allclose(adj.numpy(), expected, rtol=1e-6)
+    assert adj.dtype == torch.float32 and adj.shape == (4,)
+
+
+def test_balanced_site_gets_a_constant_shift_and_tau_zero_gets_zeros():
+    np.testing.assert_allclose(prior_logit_adjustment([5, 5, 5, 5]).numpy(), [math.log(0.25)] * 4, rtol=1e-6)
+    assert not prior_logit_adjustment([1, 0, 7], tau=0.0).any()
+
+
+@pytest.mark.parametrize(
+    "histogram, tau, floor",
+    [([0, 0, 0], 1.0, 1e-4), ([1, -1, 2], 1.0, 1e-4), ([[1, 2]], 1.0, 1e-4), ([1, 2], -1.0, 1e-4),
+     ([1, 2], float("nan"), 1e-4), ([1, 2], 1.0, 0.0), ([1, float("inf")], 1.0, 1e-4)],
+)
+def test_invalid_adjustment_arguments_are_rejected(histogram, tau, floor):
+    with pytest.raises(ValueError, match="Invalid"):
+        prior_logit_adjustment(histogram, tau, floor)
+
+
+def _site(labels: list[int], length: int = 256, seed: int = 0) -> SiteArrays:
+    rng = np.random.default_rng(seed)
+    y = np.array(labels, dtype=np.int64)
+    x = rng.standard_normal((len(y), 1, length)).astype(np.float32)
+    x += y[:, None, None].astype(np.float32)  # a learnable offset per class
+    return SiteArrays(x=x, y=y)
+
+
+def _trained(data: SiteArrays, adjustment: torch.Tensor | None) -> FaultCNN:
+    torch.manual_seed(0)
+    model = FaultCNN(in_channels=1, num_classes=4, width=8)
+    train_local(
+        model, data, epochs=2, batch_size=8, lr=0.05, seed=1, device=torch.device("cpu"),
+        logit_adjustment=adjustment,
+    )
+    return model
+
+
+def test_a_constant_adjustment_changes_nothing():
+    """Softmax is shift-invariant: a balanced site's adjustment trains the same model."""
+    data = _site([0, 1, 2, 3] * 6)
+    plain = _trained(data, None).state_dict()
+    shifted = _trained(data, prior_logit_adjustment([6, 6, 6, 6])).state_dict()
+    for name in plain:
+        torch.testing.assert_close(shifted[name], plain[name], rtol=1e-4, atol=1e-5)
+
+
+def test_adjustment_keeps_a_skewed_site_from_pushing_down_classes_it_never_sees():
+    """A site with classes 0 and 1 only: plain cross-entropy lowers the head bias of classes
+    2 and 3 (it learns "never predict them"); with the adjustment it barely moves them."""
+    data = _site([0] * 20 + [1] * 4)
+    torch.manual_seed(0)
+    start = FaultCNN(in_channels=1, num_classes=4, width=8).head.bias.detach().clone()
+    plain = _trained(data, None).head.bias.detach()
+    adjusted = _trained(data, prior_logit_adjustment([20, 4, 0, 0])).head.bias.detach()
+    plain_drop = (start[2:] - plain[2:]).mean()
+    adjusted_drop = (start[2:] - adjusted[2:]).mean()
+    assert plain_drop > 0.05
+    assert abs(adjusted_drop) < 0.2 * plain_drop
