@@ -41,11 +41,19 @@ class Traffic:
 class MeteredGrid(Grid):
     """Delegates to a Flower ``Grid``; records payload bytes, replies and failures."""
 
-    def __init__(self, grid: Grid, transform: Callable[[Message, Message], Message] | None = None) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        transform: Callable[[Message, Message], Message] | None = None,
+        screen: Callable[[dict[int, Message], list[Message]], list[Message]] | None = None,
+    ) -> None:
         """``transform(instruction, reply) -> reply`` runs on every reply after its bytes are
-        counted (e.g. decoding a sparse update); an error reply it returns is a failure."""
+        counted (e.g. decoding a sparse update); then ``screen(instructions by node,
+        replies) -> replies`` sees the whole round (e.g. :class:`fedind.screening.UpdateScreen`).
+        An error reply either returns is a failure."""
         self._grid = grid
         self._transform = transform
+        self._screen = screen
         self._traffic = Traffic()
 
     def take(self) -> Traffic:
@@ -67,8 +75,11 @@ class MeteredGrid(Grid):
                 if self._transform is not None and node in instructions:
                     reply = self._transform(instructions[node], reply)
             replies.append(reply)
+        if self._screen is not None:
+            replies = self._screen(instructions, replies)
+        for reply in replies:
             if reply.has_error():
-                self._traffic.failures.append(f"node {node}: {reply.error.reason}")
+                self._traffic.failures.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
             else:
                 self._traffic.replies.append(_describe(reply))
         answered = {reply.metadata.src_node_id for reply in replies}

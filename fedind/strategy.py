@@ -38,6 +38,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from . import wire
 from .metering import site_id_of
+from .screening import InvalidUpdate as InvalidReply  # one exception for "do not aggregate this reply"
+from .screening import check_array, check_histogram
 from .aggregation import (
     GlobalHistogram,
     MomentumBuffer,
@@ -58,10 +60,6 @@ HEAD_WEIGHT = "head.weight"
 # Share of coordinates whose server momentum restarted this round (train metrics).
 
 _STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
-
-
-class InvalidReply(ValueError):
-    """A site's train reply that cannot be aggregated; the message says why."""
 
 
 @dataclass
@@ -327,7 +325,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             raise InvalidReply(f"arrays differ from the global model: missing {missing}, unexpected {extra}")
         arrays = {}
         for name, expected in current.items():
-            arrays[name] = _decode(name, record[name], expected)
+            arrays[name] = check_array(name, record[name], expected.shape, expected.dtype)
 
         n = metrics.get(wire.NUM_EXAMPLES)
         if n is None:
@@ -337,7 +335,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
 
         histogram = metrics.get(wire.LABEL_HISTOGRAM)
         if histogram is not None:
-            _check_histogram(histogram, self.num_classes, n)
+            check_histogram(histogram, self.num_classes, n)
         return SiteUpdate(
             site_id=site_id_of(reply),
             node_id=reply.metadata.src_node_id,
@@ -505,38 +503,7 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _decode(name: str, array: Array, expected: np.ndarray) -> np.ndarray:
-    """``array`` as numpy, checked against the global model's array of the same name."""
-    if array.dtype != str(expected.dtype):
-        raise InvalidReply(f"array {name!r}: dtype {array.dtype} != global {expected.dtype}")
-    if tuple(array.shape) != expected.shape:
-        raise InvalidReply(f"array {name!r}: shape {tuple(array.shape)} != global {expected.shape}")
-    try:
-        value = array.numpy()
-    except (TypeError, ValueError, OSError, EOFError) as err:
-        raise InvalidReply(f"array {name!r}: cannot decode ({err})") from None
-    if value.dtype != expected.dtype or value.shape != expected.shape:
-        raise InvalidReply(
-            f"array {name!r}: data is {value.dtype}{list(value.shape)}, declared "
-            f"{array.dtype}{list(array.shape)}"
-        )
-    if not np.all(np.isfinite(value)):
-        raise InvalidReply(f"array {name!r}: {int(np.size(value) - np.isfinite(value).sum())} NaN/Inf values")
-    return value
-
-
-def _check_histogram(histogram, num_classes: int | None, num_examples: float) -> None:
-    name = wire.LABEL_HISTOGRAM
-    if not isinstance(histogram, list):
-        raise InvalidReply(f"{name} is a {type(histogram).__name__}, expected a list of ints")
-    if len(histogram) != num_classes:
-        raise InvalidReply(f"{name} has {len(histogram)} classes, the global model {num_classes}")
-    if not all(_is_int(c) for c in histogram):
-        raise InvalidReply(f"{name} {histogram}: counts must be ints")
-    if any(c < 0 for c in histogram):
-        raise InvalidReply(f"{name} {histogram}: counts must be non-negative")
-    if sum(histogram) != num_examples:
-        raise InvalidReply(f"{name} sums to {sum(histogram)}, but {wire.NUM_EXAMPLES} = {num_examples}")
+_check_histogram = check_histogram  # older name, kept for importers
 
 
 def _cast_like(value: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -1,0 +1,214 @@
+r"""Screening of site updates before any strategy sees them: bad input never reaches the model.
+
+Every train reply of a round passes two checks on the server (:class:`UpdateScreen`, run by
+:class:`~fedind.metering.MeteredGrid` after decoding, for every strategy — Flower's or
+fedind's):
+
+1. **Structure** (:func:`check_update`, per reply): exactly one ArrayRecord with the names,
+   shapes and dtypes of the global arrays sent to that site, only finite values; one
+   MetricRecord whose ``num-examples`` is a positive finite whole number; a
+   ``label-histogram``, when present, of one non-negative int per class summing to
+   ``num-examples`` (a histogram that disagrees with the claimed example count is a lie
+   about the site's data).
+2. **Update norm** (:func:`norm_outliers`, per round): with ``d_i`` the site's delta
+   (reply minus the global arrays it was sent) and ``m`` the median of
+   :math:`\log \lVert d_i \rVert` over the round's structurally valid replies,
+   :math:`s = 1.4826\,\mathrm{MAD}(\log\lVert d\rVert)` (a robust standard deviation), a
+   reply is rejected when
+
+   .. math::  \log \lVert d_i \rVert - m > \max(\log r_{\min},\; z\, s)
+
+   i.e. its norm is more than ``z`` robust deviations above the median on a log scale, and
+   in any case more than ``r_min`` times the median (default ``r_min = 4``, ``z = 3.5``,
+   Iglewicz and Hoaglin's cut-off). The floor keeps a round whose benign norms happen to be
+   nearly equal (tiny MAD) from rejecting an honest site that trained a little further.
+   Only the upper side is rejected: a small update cannot drag the average far. Rounds
+   with fewer than 3 valid replies skip this rule (no robust median of two).
+
+A rejected reply becomes an error reply (code :data:`REJECTED_UPDATE`) whose reason names
+the fault; strategies drop error replies and the server logs and counts them as failures,
+so the round goes on with the rest. What this does not catch: an update of ordinary norm
+pointing the wrong way (a sign-flipped site); the README's fault table reports what such a
+site costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from numbers import Real
+
+import numpy as np
+from flwr.app import Array, Error, Message, MessageType
+
+from . import wire
+
+__all__ = ["REJECTED_UPDATE", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update", "norm_outliers"]
+
+REJECTED_UPDATE = 1002  # Error code of a train reply the server screened out
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
+
+
+class InvalidUpdate(ValueError):
+    """A site's train reply that must not be aggregated; the message says why."""
+
+
+# --------------------------------------------------------------------------- maths
+
+
+def norm_outliers(norms: Sequence[float], z: float = 3.5, min_ratio: float = 4.0) -> np.ndarray:
+    """Boolean mask of the norms rejected by the module's robust rule (upper side only).
+
+    ``norms``: the L2 norms of the round's updates (finite, >= 0). Zero norms take part as
+    the smallest positive float, so they never make a median of ``-inf``. Fewer than 3
+    norms: nothing is flagged.
+    """
+    if not (math.isfinite(z) and z > 0):
+        raise ValueError(f"Invalid z value: {z!r}")
+    if not (math.isfinite(min_ratio) and min_ratio > 1):
+        raise ValueError(f"Invalid min_ratio value: {min_ratio!r}")
+    values = np.asarray(norms, dtype=np.float64)
+    if values.ndim != 1 or np.any(~np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(f"Invalid norms: {norms!r} (finite, non-negative)")
+    if values.size < 3:
+        return np.zeros(values.size, dtype=bool)
+    logs = np.log(np.maximum(values, np.finfo(np.float64).tiny))
+    median = np.median(logs)
+    spread = MAD_TO_SIGMA * np.median(np.abs(logs - median))
+    return logs - median > max(math.log(min_ratio), z * spread)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _is_real(x) -> bool:
+    """A finite real number (bool is not a number here)."""
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_array(name: str, array: Array, expected_shape: tuple[int, ...], expected_dtype: np.dtype) -> np.ndarray:
+    """``array`` as numpy, checked against the global array of the same name."""
+    if array.dtype != str(expected_dtype):
+        raise InvalidUpdate(f"array {name!r}: dtype {array.dtype} != global {expected_dtype}")
+    if tuple(array.shape) != tuple(expected_shape):
+        raise InvalidUpdate(f"array {name!r}: shape {tuple(array.shape)} != global {tuple(expected_shape)}")
+    try:
+        value = array.numpy()
+    except (TypeError, ValueError, OSError, EOFError) as err:
+        raise InvalidUpdate(f"array {name!r}: cannot decode ({err})") from None
+    if value.dtype != expected_dtype or value.shape != tuple(expected_shape):
+        raise InvalidUpdate(
+            f"array {name!r}: data is {value.dtype}{list(value.shape)}, declared "
+            f"{array.dtype}{list(array.shape)}"
+        )
+    if np.issubdtype(value.dtype, np.inexact) and not np.all(np.isfinite(value)):
+        raise InvalidUpdate(f"array {name!r}: {int(np.size(value) - np.isfinite(value).sum())} NaN/Inf values")
+    return value
+
+
+def check_histogram(histogram, num_classes: int | None, num_examples: float) -> list[int]:
+    """The ``label-histogram`` metric as a list of ints, or :class:`InvalidUpdate`."""
+    name = wire.LABEL_HISTOGRAM
+    if not isinstance(histogram, list):
+        raise InvalidUpdate(f"{name} is a {type(histogram).__name__}, expected a list of ints")
+    if num_classes is not None and len(histogram) != num_classes:
+        raise InvalidUpdate(f"{name} has {len(histogram)} classes, the global model {num_classes}")
+    if not all(_is_int(c) for c in histogram):
+        raise InvalidUpdate(f"{name} {histogram}: counts must be ints")
+    if any(c < 0 for c in histogram):
+        raise InvalidUpdate(f"{name} {histogram}: counts must be non-negative")
+    if sum(histogram) != num_examples:
+        raise InvalidUpdate(f"{name} sums to {sum(histogram)}, but {wire.NUM_EXAMPLES} = {num_examples}")
+    return [int(c) for c in histogram]
+
+
+def check_update(
+    reply: Message, sent: Mapping[str, np.ndarray], num_classes: int | None = None
+) -> dict[str, np.ndarray]:
+    """The delta ``reply - sent`` (float64 per array) of a structurally valid train reply,
+    or :class:`InvalidUpdate` naming the fault. ``sent``: the global arrays that site got."""
+    content = reply.content
+    if len(content.array_records) != 1:
+        raise InvalidUpdate(f"expected exactly one ArrayRecord, got {len(content.array_records)}")
+    if len(content.metric_records) != 1:
+        raise InvalidUpdate(f"expected exactly one MetricRecord, got {len(content.metric_records)}")
+    record = next(iter(content.array_records.values()))
+    metrics = next(iter(content.metric_records.values()))
+    missing, extra = sorted(set(sent) - set(record)), sorted(set(record) - set(sent))
+    if missing or extra:
+        raise InvalidUpdate(f"arrays differ from the global model: missing {missing}, unexpected {extra}")
+    delta = {}
+    for name, base in sent.items():
+        value = check_array(name, record[name], base.shape, base.dtype)
+        delta[name] = value.astype(np.float64) - base.astype(np.float64)
+
+    n = metrics.get(wire.NUM_EXAMPLES)
+    if n is None:
+        raise InvalidUpdate(f"no {wire.NUM_EXAMPLES!r} metric")
+    if not (_is_real(n) and n > 0 and float(n).is_integer()):
+        raise InvalidUpdate(f"{wire.NUM_EXAMPLES} = {n!r}: expected a positive whole number")
+    histogram = metrics.get(wire.LABEL_HISTOGRAM)
+    if histogram is not None:
+        check_histogram(histogram, num_classes, n)
+    return delta
+
+
+def _norm(delta: Mapping[str, np.ndarray]) -> float:
+    return math.sqrt(sum(float(np.dot(d.ravel(), d.ravel())) for d in delta.values()))
+
+
+# --------------------------------------------------------------------------- the screen
+
+
+class UpdateScreen:
+    """Round-level screen of train replies (structure, then the norm rule); see the module
+    docstring. Called by :class:`~fedind.metering.MeteredGrid` with the round's
+    instructions (by destination node) and replies; returns the replies with every rejected
+    one replaced by an error reply.
+
+    ``num_classes``: length of a valid label histogram (None: not checked). ``z`` and
+    ``min_ratio``: the norm rule's parameters; ``norm_rule=False`` keeps only the
+    structural checks.
+    """
+
+    def __init__(self, num_classes: int | None = None, *, z: float = 3.5, min_ratio: float = 4.0,
+                 norm_rule: bool = True) -> None:
+        norm_outliers([1.0, 1.0, 1.0], z, min_ratio)  # validates z and min_ratio
+        self.num_classes = num_classes
+        self.z = float(z)
+        self.min_ratio = float(min_ratio)
+        self.norm_rule = norm_rule
+
+    def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
+        out = list(replies)
+        valid: list[tuple[int, float]] = []  # (position in out, update norm)
+        for i, reply in enumerate(out):
+            instruction = instructions.get(reply.metadata.src_node_id)
+            if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
+                continue
+            if wire.ARRAYS not in instruction.content.array_records:
+                continue
+            sent = {name: a.numpy() for name, a in instruction.content[wire.ARRAYS].items()}
+            try:
+                delta = check_update(reply, sent, self.num_classes)
+            except InvalidUpdate as err:
+                out[i] = _rejected(instruction, str(err))
+                continue
+            valid.append((i, _norm(delta)))
+        if self.norm_rule and valid:
+            norms = [norm for _, norm in valid]
+            median = float(np.median(norms))
+            for (i, norm), flagged in zip(valid, norm_outliers(norms, self.z, self.min_ratio)):
+                if flagged:
+                    reason = (f"update norm {norm:.4g} is an outlier ({norm / median:.3g}x the round's median "
+                              f"{median:.4g}; robust rule z={self.z:g}, min ratio {self.min_ratio:g})")
+                    out[i] = _rejected(instructions[out[i].metadata.src_node_id], reason)
+        return out
+
+
+def _rejected(instruction: Message, reason: str) -> Message:
+    return Message(Error(code=REJECTED_UPDATE, reason=f"rejected update: {reason}"), reply_to=instruction)

@@ -1,0 +1,161 @@
+"""Server-side screening of site updates: the robust norm rule and every rejection path."""
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+
+from fedind import wire
+from fedind.metering import MeteredGrid
+from fedind.screening import REJECTED_UPDATE, UpdateScreen, norm_outliers
+
+pytestmark = pytest.mark.usefixtures("flower_task_identity")
+
+GLOBAL = {"conv.weight": np.ones((4, 2, 3), np.float32), "head.bias": np.zeros(3, np.float32)}
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def test_fewer_than_three_norms_are_never_flagged():
+    assert not norm_outliers([1.0, 1e9]).any()
+    assert norm_outliers([]).shape == (0,)
+
+
+def test_a_hugely_scaled_update_is_flagged_and_only_it():
+    norms = [1.0, 1.3, 0.8, 1.1, 0.9, 1.2, 1.05, 0.95, 1.0, 1e6]
+    assert norm_outliers(norms).tolist() == [False] * 9 + [True]
+
+
+def test_the_ordinary_spread_of_honest_sites_is_not_flagged():
+    # Non-IID sites: norms spread over 4x, no outlier.
+    assert not norm_outliers([0.5, 0.7, 1.0, 1.4, 2.0, 0.6, 1.1, 1.9, 0.8, 1.5]).any()
+
+
+def test_the_ratio_floor_protects_a_round_of_nearly_equal_norms():
+    """MAD ~ 0 would flag any deviation; below min_ratio x the median nothing is flagged."""
+    equal = [1.0] * 9
+    assert not norm_outliers(equal + [3.9]).any()
+    assert norm_outliers(equal + [4.1]).tolist() == [False] * 9 + [True]
+    assert norm_outliers(equal + [2.5], min_ratio=2.0)[-1]
+
+
+def test_zero_norms_and_small_updates_are_not_flagged():
+    assert not norm_outliers([0.0, 0.0, 1.0, 1e-9]).any()
+
+
+@pytest.mark.parametrize(
+    "norms, kwargs",
+    [([1.0, -1.0, 1.0], {}), ([1.0, float("nan"), 2.0], {}), ([1.0, 2.0, 3.0], {"z": 0.0}),
+     ([1.0, 2.0, 3.0], {"min_ratio": 1.0}), ([[1.0, 2.0]], {})],
+)
+def test_invalid_rule_arguments_are_rejected(norms, kwargs):
+    with pytest.raises(ValueError, match="Invalid"):
+        norm_outliers(norms, **kwargs)
+
+
+# --------------------------------------------------------------------------- replies
+
+
+def instruction(node: int) -> Message:
+    content = RecordDict(
+        {wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in GLOBAL.items()}), wire.CONFIG: ConfigRecord({})}
+    )
+    return Message(content, message_type=MessageType.TRAIN, dst_node_id=node)
+
+
+def reply(msg: Message, arrays: dict, metrics: dict | None = None) -> Message:
+    metrics = {wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: [5, 3, 2]} if metrics is None else metrics
+    content = RecordDict(
+        {
+            wire.ARRAYS: ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()}),
+            wire.METRICS: MetricRecord(metrics),
+        }
+    )
+    return Message(content, reply_to=msg)
+
+
+def honest(node: int, scale: float = 0.01) -> dict:
+    rng = np.random.default_rng(node)
+    return {k: (v + scale * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in GLOBAL.items()}
+
+
+def screened(bad_arrays=None, bad_metrics=None, sites: int = 6) -> list[Message]:
+    """A round of ``sites`` honest replies where the last one is replaced by the bad one."""
+    instructions = {node: instruction(node) for node in range(1, sites + 1)}
+    replies = [reply(instructions[n], honest(n)) for n in range(1, sites)]
+    replies.append(reply(instructions[sites], bad_arrays or honest(sites), bad_metrics))
+    return UpdateScreen(num_classes=3)(instructions, replies)
+
+
+def test_honest_replies_pass_unchanged():
+    out = screened()
+    assert not any(r.has_error() for r in out)
+
+
+def _with(name: str, value) -> dict:
+    arrays = honest(99)
+    arrays[name] = value
+    return arrays
+
+
+BAD_UPDATES = {
+    "NaN": (_with("head.bias", np.array([0.0, np.nan, 0.0], np.float32)), "NaN/Inf"),
+    "Inf": (_with("conv.weight", np.full((4, 2, 3), np.inf, np.float32)), "NaN/Inf"),
+    "wrong shape": (_with("head.bias", np.zeros(4, np.float32)), "shape"),
+    "wrong dtype": (_with("head.bias", np.zeros(3, np.float64)), "dtype"),
+    "missing array": ({"conv.weight": GLOBAL["conv.weight"]}, "missing ['head.bias']"),
+    "extra array": ({**GLOBAL, "backdoor": np.zeros(2, np.float32)}, "unexpected ['backdoor']"),
+    "scaled 1e6x": ({k: (v + 1e6 * (honest(99)[k] - v)).astype(v.dtype) for k, v in GLOBAL.items()}, "outlier"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_UPDATES))
+def test_each_kind_of_bad_update_is_rejected_with_its_reason(kind):
+    arrays, reason = BAD_UPDATES[kind]
+    out = screened(bad_arrays=arrays)
+    assert not any(r.has_error() for r in out[:-1])
+    assert out[-1].has_error() and out[-1].error.code == REJECTED_UPDATE
+    assert reason in out[-1].error.reason and out[-1].error.reason.startswith("rejected update:")
+
+
+BAD_METRICS = {
+    "lying histogram": ({wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: [50, 30, 20]}, "sums to 100"),
+    "negative count": ({wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: [12, -2, 0]}, "non-negative"),
+    "wrong classes": ({wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: [5, 5]}, "2 classes"),
+    "zero examples": ({wire.NUM_EXAMPLES: 0}, "positive whole number"),
+    "NaN examples": ({wire.NUM_EXAMPLES: float("nan")}, "positive whole number"),
+    "fractional examples": ({wire.NUM_EXAMPLES: 10.5}, "positive whole number"),
+    "no examples": ({wire.TRAIN_LOSS: 1.0}, "no 'num-examples'"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_METRICS))
+def test_each_kind_of_bad_metric_is_rejected_with_its_reason(kind):
+    metrics, reason = BAD_METRICS[kind]
+    out = screened(bad_metrics=metrics)
+    assert out[-1].has_error() and reason in out[-1].error.reason
+
+
+def test_error_replies_and_evaluate_replies_pass_through():
+    train, evaluate = instruction(1), Message(RecordDict({}), message_type=MessageType.EVALUATE, dst_node_id=2)
+    failed = Message(Error(code=1, reason="site crashed"), reply_to=train)
+    scored = Message(RecordDict({wire.METRICS: MetricRecord({"accuracy": 0.5})}), reply_to=evaluate)
+    out = UpdateScreen()({1: train, 2: evaluate}, [failed, scored])
+    assert out[0] is failed and out[1] is scored
+
+
+def test_the_metered_grid_counts_screened_replies_as_failures():
+    instructions = [instruction(n) for n in (1, 2, 3, 4)]
+    replies = [reply(m, honest(m.metadata.dst_node_id)) for m in instructions[:3]]
+    replies.append(reply(instructions[3], _with("head.bias", np.array([np.nan] * 3, np.float32))))
+
+    class Sites:
+        def send_and_receive(self, messages, *, timeout=None):
+            return replies
+
+    grid = MeteredGrid(Sites(), screen=UpdateScreen(num_classes=3))
+    out = grid.send_and_receive(instructions)
+    traffic = grid.take()
+    assert [r.has_error() for r in out] == [False, False, False, True]
+    assert len(traffic.replies) == 3 and len(traffic.failures) == 1
+    assert traffic.failures[0].startswith("node 4: rejected update:")
