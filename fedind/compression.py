@@ -41,6 +41,8 @@ Quantisation (per tensor, over the values sent in that tensor)
 - ``int8``: ``scale = max|v|``, ``q = round(v / scale * 127)`` in ``[-127, 127]``,
   ``v^ = q * float32(scale / 127)``. Per-coordinate error
   ``|v - v^| <= scale / 254 + scale * 2**-22`` (half a step, plus float32 rounding).
+- ``int4``: as ``int8`` with 7 levels: ``q`` in ``[-7, 7]``, error ``<= scale / 14`` (plus
+  float32 rounding). Half the bytes of ``int8`` per value; error feedback carries the rest.
 - ``sign``: ``scale = mean|v|``, ``v^ = sign(v) * scale`` (1 bit per value). Error
   ``|v - v^| = ||v| - scale| <= max|v| - min|v|``; biased per coordinate, which error
   feedback corrects over the following rounds.
@@ -60,7 +62,8 @@ field            bytes    meaning
 ===============  =======  ============================================================
 magic            4        ``b"FIDZ"``
 version          1        ``2``
-mode             1        value quantisation: ``1`` = int8, ``2`` = sign (1 bit + scale)
+mode             1        value quantisation: ``1`` = int8, ``2`` = sign (1 bit + scale),
+                          ``3`` = int4
 fingerprint      4        u32 layout fingerprint (below); must equal the receiver's
 *for each array, in sorted-name order:*
 count            varint   number of sent coordinates, ``<= numel``; if ``0``, the record
@@ -70,6 +73,8 @@ index enc.       1        ``1`` = delta-varint, ``2`` = bitmap (only if ``count 
 index length     varint   ``I`` (only if ``count > 0``)
 index block      I        as in version 1; a bitmap is ``ceil(numel / 8)`` bytes
 value block      V        ``V = count`` int8 codes in ``[-127, 127]`` (int8), or
+                          ``V = ceil(count / 2)`` bytes of int4 codes in ``[-7, 7]`` (4-bit
+                          two's complement, low nibble first, padding nibble 0), or
                           ``V = ceil(count / 8)`` bytes of sign bits (1 = negative, LSB
                           first, padding bits 0); the length is implied, not sent
 ===============  =======  ============================================================
@@ -101,7 +106,7 @@ scale         4        f32, finite; ``> 0`` if ``count > 0``, ``0`` if ``count =
 index enc.    1        ``1`` = delta-varint, ``2`` = bitmap (smaller one, per tensor)
 index length  4        u32 ``I``
 index block   I        see below
-value length  4        u32 ``V``: ``count`` (int8) or ``ceil(count / 8)`` (sign)
+value length  4        u32 ``V``: ``count`` (int8), ``ceil(count / 2)`` (int4) or ``ceil(count / 8)`` (sign)
 value block   V        int8 codes in ``[-127, 127]``, or sign bits (1 = negative,
                        LSB first, padding bits 0)
 ============  =======  ===============================================================
@@ -156,15 +161,16 @@ __all__ = [
 MAGIC = b"FIDZ"
 VERSION = 2  # what encode() writes
 VERSIONS = (1, 2)  # what decode() reads
-MODES = ("int8", "sign")
+MODES = ("int8", "int4", "sign")
 THRESHOLDS = ("exact", "sampled")
-_MODE_CODE = {"int8": 1, "sign": 2}
+_MODE_CODE = {"int8": 1, "sign": 2, "int4": 3}
 _MODE_NAME = {v: k for k, v in _MODE_CODE.items()}
 INDEX_VARINT = 1
 INDEX_BITMAP = 2
 _INDEX_NAME = {INDEX_VARINT: "delta-varint", INDEX_BITMAP: "bitmap"}
 _U32_MAX = 2**32 - 1
 _INT8_LEVELS = 127
+_LEVELS = {"int8": 127, "int4": 7}  # linear modes: codes in [-levels, levels]
 
 # The ConfigRecord that carries a payload (lead: candidates for fedind/wire.py).
 FORMAT = "fedind.topk"
@@ -190,6 +196,7 @@ def quantise(values: np.ndarray, mode: str) -> tuple[np.ndarray, float]:
     """``(codes int8, scale)`` of the 1-D float ``values`` (non-zero, finite) for ``mode``.
 
     ``int8``: ``scale = max|v|`` (float32), ``codes = round(v / scale * 127)``.
+    ``int4``: the same with 7 levels, ``codes`` in ``[-7, 7]``.
     ``sign``: ``scale = float32(mean|v|)``, ``codes = sign(v)`` in ``{-1, +1}``.
     An empty ``values`` gives ``(empty, 0.0)``. See the module docstring for error bounds.
     """
@@ -199,12 +206,13 @@ def quantise(values: np.ndarray, mode: str) -> tuple[np.ndarray, float]:
     if v.size == 0:
         return np.zeros(0, dtype=np.int8), 0.0
     mag = np.abs(v)
-    if mode == "int8":
+    if mode in _LEVELS:
+        levels = _LEVELS[mode]
         scale = np.float32(mag.max())
         if not scale > 0:
             raise ValueError("Invalid values: all zero (zeros are never sent)")
-        q = np.rint(v.astype(np.float64) * (_INT8_LEVELS / np.float64(scale)))
-        codes = np.clip(q, -_INT8_LEVELS, _INT8_LEVELS).astype(np.int8)
+        q = np.rint(v.astype(np.float64) * (levels / np.float64(scale)))
+        codes = np.clip(q, -levels, levels).astype(np.int8)
     else:
         # mean of non-zero float32 magnitudes >= their minimum > 0, so scale > 0
         scale = np.float32(mag.astype(np.float64).mean())
@@ -219,8 +227,8 @@ def dequantise(codes: np.ndarray, scale: float, mode: str) -> np.ndarray:
     ``codes * scale`` (sign). The site and the server both call this, so they agree bit
     for bit on what was sent."""
     codes = np.asarray(codes, dtype=np.int8)
-    if mode == "int8":
-        step = np.float32(np.float64(np.float32(scale)) / _INT8_LEVELS)
+    if mode in _LEVELS:
+        step = np.float32(np.float64(np.float32(scale)) / _LEVELS[mode])
         return codes.astype(np.float32) * step
     if mode == "sign":
         return codes.astype(np.float32) * np.float32(scale)
@@ -325,7 +333,7 @@ class SparseTensor:
 
     ``indices``: strictly increasing flat (C-order) indices into ``shape`` (int64);
     ``codes``: int8 quantised values, one per index; ``scale``: float32-representable;
-    ``mode``: ``"int8"`` or ``"sign"``. :meth:`values` / :meth:`to_dense` dequantise.
+    ``mode``: ``"int8"``, ``"int4"`` or ``"sign"``. :meth:`values` / :meth:`to_dense` dequantise.
     """
 
     shape: tuple[int, ...]
@@ -356,8 +364,9 @@ class SparseTensor:
             raise ValueError(f"Invalid scale: {self.scale} (must be > 0 when values are sent)")
         if not indices.size and scale != 0:
             raise ValueError(f"Invalid scale: {self.scale} (must be 0 when nothing is sent)")
-        if self.mode == "int8" and np.any(codes == -128):
-            raise ValueError("Invalid codes: int8 codes lie in [-127, 127]")
+        if self.mode in _LEVELS and np.any(np.abs(codes.astype(np.int16)) > _LEVELS[self.mode]):
+            levels = _LEVELS[self.mode]
+            raise ValueError(f"Invalid codes: {self.mode} codes lie in [-{levels}, {levels}]")
         if self.mode == "sign" and np.any((codes != 1) & (codes != -1)):
             raise ValueError("Invalid codes: sign codes are -1 or +1")
         object.__setattr__(self, "indices", indices.astype(np.int64, copy=False))
@@ -665,7 +674,21 @@ def _encode_varint(value: int) -> bytes:
 def _value_block(t: SparseTensor) -> bytes:
     if t.mode == "int8":
         return t.codes.tobytes()
+    if t.mode == "int4":
+        return _pack_nibbles(t.codes)
     return np.packbits(t.codes < 0, bitorder="little").tobytes()
+
+
+def _pack_nibbles(codes: np.ndarray) -> bytes:
+    """int4 codes as 4-bit two's complement, two per byte, low nibble first, padding 0."""
+    nibbles = (codes.astype(np.int16) & 0x0F).astype(np.uint8)
+    if nibbles.size % 2:
+        nibbles = np.append(nibbles, np.uint8(0))
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+def _value_block_size(mode: str, count: int) -> int:
+    return {"int8": count, "int4": (count + 1) // 2, "sign": (count + 7) // 8}[mode]
 
 
 def encode(sparse: Mapping[str, SparseTensor], version: int = VERSION) -> bytes:
@@ -836,6 +859,16 @@ def _dense(
         codes = np.frombuffer(value_block, dtype=np.int8)
         if np.any(codes == -128):
             raise PayloadError(f"{where}: int8 code -128 out of range [-127, 127]")
+    elif mode == "int4":
+        packed = np.frombuffer(value_block, dtype=np.uint8)
+        nibbles = np.empty(2 * packed.size, dtype=np.uint8)
+        nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
+        if nibbles[count:].any():
+            raise PayloadError(f"{where}: int4 block padding nibble is set")
+        nibbles = nibbles[:count]
+        if np.any(nibbles == 0x08):
+            raise PayloadError(f"{where}: int4 code -8 out of range [-7, 7]")
+        codes = np.where(nibbles >= 8, nibbles.astype(np.int16) - 16, nibbles).astype(np.int8)
     else:
         bits = np.unpackbits(np.frombuffer(value_block, dtype=np.uint8), bitorder="little")
         if bits[count:].any():
@@ -907,7 +940,7 @@ def _decode_v2(r: _Reader, spec: dict, mode: str) -> dict[str, np.ndarray]:
             raise PayloadError(f"{where}: unknown index encoding {encoding} (known: {_INDEX_NAME})")
         index_len = r.varint(f"{where} index block length")
         index_block = r.take(index_len, f"{where} index block")
-        value_block = r.take(count if mode == "int8" else (count + 7) // 8, f"{where} value block")
+        value_block = r.take(_value_block_size(mode, count), f"{where} value block")
         out[name] = _dense(index_block, encoding, value_block, count, scale, mode, shape, numel, where)
     return out
 
@@ -941,7 +974,7 @@ def _decode_v1(r: _Reader, spec: dict, mode: str) -> dict[str, np.ndarray]:
         (index_len,) = r.unpack(_U32, f"{where} index block length")
         index_block = r.take(index_len, f"{where} index block")
         (value_len,) = r.unpack(_U32, f"{where} value block length")
-        want = count if mode == "int8" else (count + 7) // 8
+        want = _value_block_size(mode, count)
         if value_len != want:
             raise PayloadError(f"{where}: value block is {value_len} bytes, expected {want} for {count} {mode} values")
         value_block = r.take(value_len, f"{where} value block")

@@ -398,7 +398,7 @@ def test_load_state_dict_rejects_bad_state(state, match):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"mode": "int4"}, {"threshold": "approx"}, {"seed": -1}, {"seed": 1.5}]
+    "kwargs", [{"mode": "int2"}, {"threshold": "approx"}, {"seed": -1}, {"seed": 1.5}]
 )
 def test_invalid_hyperparameters(kwargs):
     with pytest.raises(ValueError, match="Invalid"):
@@ -497,7 +497,7 @@ MALFORMED = {
     "bad magic": (raw_payload(magic=b"FIDY"), "bad magic"),
     "unknown version": (raw_payload(version=3), "unknown version 3"),
     "version 0": (raw_payload(version=0), "unknown version 0"),
-    "unknown mode": (raw_payload(mode=3), "unknown mode 3"),
+    "unknown mode": (raw_payload(mode=9), "unknown mode 9"),
     "trailing bytes": (raw_payload() + b"\x00", "1 trailing bytes"),
     "too many tensors": (raw_payload(num=3), "declares 3 tensors, expected 2"),
     "unexpected name": (raw_payload(raw_tensor(name=b"v"), EMPTY_B), "'v': not an expected tensor"),
@@ -637,7 +637,7 @@ def test_raw_v2_builder_makes_a_valid_payload_and_encode_writes_the_same_bytes()
 MALFORMED_V2 = {
     "bad magic": (raw_payload_v2(magic=b"FIDY"), "bad magic"),
     "unknown version": (raw_payload_v2(version=3), "unknown version 3"),
-    "unknown mode": (raw_payload_v2(mode=3), "unknown mode 3"),
+    "unknown mode": (raw_payload_v2(mode=9), "unknown mode 9"),
     "fingerprint mismatch": (raw_payload_v2(fingerprint=FINGERPRINT ^ 1), "layout fingerprint mismatch"),
     "trailing bytes": (raw_payload_v2() + b"\x00", "1 trailing bytes"),
     "trailing bytes after an empty last tensor": (
@@ -736,7 +736,29 @@ MALFORMED_V2 = {
         "1 trailing bytes",
     ),
     "v1 records under a v2 header": (raw_payload_v2(raw_tensor(), EMPTY_B), "'b': unknown index encoding 0"),
+    "int4 code -8": (raw_payload_v2(EMPTY_B2, raw_tensor_v2(values=b"\x85"), mode=3), "int4 code -8"),
+    "int4 padding nibble": (
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(count=1, index=varint(1), values=b"\x35"), mode=3),
+        "padding nibble",
+    ),
+    "int4 block too long": (  # 2 int4 values are 1 byte: the 2nd is left over
+        raw_payload_v2(EMPTY_B2, raw_tensor_v2(values=b"\x95\x00"), mode=3),
+        "1 trailing bytes",
+    ),
 }
+
+
+def test_int4_values_are_nibbles_low_first_in_twos_complement():
+    # codes 5 and -7 at indices 1 and 6: nibbles 0x5 and 0x9 -> one byte 0x95
+    out = decode(raw_payload_v2(EMPTY_B2, raw_tensor_v2(values=b"\x95"), mode=3), EXPECTED)
+    step = np.float32(np.float32(1.0) / 7)
+    np.testing.assert_array_equal(out["w"].ravel(), [0, 5 * step, 0, 0, 0, 0, -7 * step, 0])
+    sparse = {
+        "w": SparseTensor((2, 4), np.array([1, 6]), np.array([5, -7], np.int8), 1.0, "int4"),
+        "b": SparseTensor((3,), np.zeros(0, np.int64), np.zeros(0, np.int8), 0.0, "int4"),
+    }
+    bitmap = bytes([0b0100_0010])
+    assert encode(sparse) == raw_payload_v2(EMPTY_B2, raw_tensor_v2(enc=2, index=bitmap, values=b"\x95"), mode=3)
 
 
 @pytest.mark.parametrize("payload, match", list(MALFORMED_V2.values()), ids=list(MALFORMED_V2))
