@@ -67,24 +67,29 @@ class MeteredGrid(Grid):
             self._traffic.downlink_bytes += payload_bytes(message.content)
         self._traffic.messages_sent += len(messages)
         instructions = {message.metadata.dst_node_id: message for message in messages}
-        replies = []
+        replies, answered = [], set()
         for reply in self._grid.send_and_receive(messages, timeout=timeout):
-            node = reply.metadata.src_node_id
+            # Match by message id (the grid stamps it when pushing): an error reply Flower
+            # makes for an unreachable node does not come from that node's id.
+            instruction = _instruction_of(reply, messages)
+            if instruction is not None:
+                answered.add(id(instruction))
             if not reply.has_error():
                 self._traffic.uplink_bytes += payload_bytes(reply.content)
-                if self._transform is not None and node in instructions:
-                    reply = self._transform(instructions[node], reply)
+                if self._transform is not None and instruction is not None:
+                    reply = self._transform(instruction, reply)
             replies.append(reply)
         if self._screen is not None:
             replies = self._screen(instructions, replies)
         for reply in replies:
             if reply.has_error():
-                self._traffic.failures.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
+                instruction = _instruction_of(reply, messages)
+                node = instruction.metadata.dst_node_id if instruction is not None else reply.metadata.src_node_id
+                self._traffic.failures.append(f"node {node}: {reply.error.reason}")
             else:
                 self._traffic.replies.append(_describe(reply))
-        answered = {reply.metadata.src_node_id for reply in replies}
         for message in messages:
-            if message.metadata.dst_node_id not in answered:
+            if id(message) not in answered:
                 self._traffic.failures.append(f"node {message.metadata.dst_node_id}: no reply (timeout)")
         # Arrival order is random; aggregating float32 in a fixed (site) order keeps runs
         # bit-identical for a seed.
@@ -120,6 +125,21 @@ def site_id_of(reply: Message) -> str:
     if site is not None and wire.SITE_ID in site:
         return str(site[wire.SITE_ID])
     return f"node-{reply.metadata.src_node_id}"
+
+
+def _instruction_of(reply: Message, messages: list[Message]) -> Message | None:
+    """The message ``reply`` answers: by message id, else (ids not stamped, as in unit
+    tests with a stand-in grid) by the replying node."""
+    reply_to = reply.metadata.reply_to_message_id
+    for message in messages:
+        if reply_to and message.metadata.message_id == reply_to:
+            return message
+    if any(message.metadata.message_id for message in messages):
+        return None
+    for message in messages:
+        if message.metadata.dst_node_id == reply.metadata.src_node_id:
+            return message
+    return None
 
 
 def _reply_order(reply: Message) -> tuple:
