@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
 import platform
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .files import atomic_write
 
 ROUND_FIELDS = (
     "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "sites", "failures", "seconds",
@@ -50,23 +51,14 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_model(path: Path, state: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> str:
     """Write safetensors atomically plus ``<name>.sha256``; return the SHA-256 hex digest."""
     from safetensors.numpy import save
 
     data = save({k: np.ascontiguousarray(v) for k, v in state.items()}, metadata=dict(metadata))
-    _atomic_bytes(path, data)
+    atomic_write(path, data)
     digest = hashlib.sha256(data).hexdigest()
-    _atomic_bytes(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
+    atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
     return digest
 
 
@@ -91,7 +83,7 @@ class RunRecorder:
 
     def write_summary(self, summary: Mapping) -> Path:
         path = self.folder / "summary.json"
-        _atomic_bytes(path, (json.dumps(summary, indent=2, sort_keys=False) + "\n").encode())
+        atomic_write(path, (json.dumps(summary, indent=2, sort_keys=False) + "\n").encode())
         return path
 
     def plot(self, title: str) -> Path:

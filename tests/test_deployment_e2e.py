@@ -1,0 +1,144 @@
+"""End to end over the network on 127.0.0.1: a SuperLink with TLS and SuperNode
+authentication, three SuperNodes with their own data folders, a real ``flwr run``.
+
+Processes are started with the deploy/ scripts exactly as README's "Deployment" section
+does (fedind.deploy_harness) and stopped — process groups and stray descendants — when the
+module's tests end, also when they fail. Every process gets its own FLWR_HOME under the
+test's temporary folder; ~/.flwr is not touched. Deselect with ``-m "not deployment"``.
+About 1.5 minutes on 2 cores.
+"""
+
+import json
+import shutil
+import signal
+import threading
+import urllib.request
+
+import pytest
+
+from fedind.deploy_harness import BIN, LocalPlant, free_port
+from fedind.site_state import load_state
+
+pytestmark = [
+    pytest.mark.deployment,
+    pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None, reason="Flower CLIs not installed"),
+]
+
+SITES = ["line-00", "line-01", "line-02"]
+
+
+@pytest.fixture(scope="module")
+def plant(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plant")
+    plant = LocalPlant(root)
+    try:
+        # README, Deployment: 1. data, certificates, keys
+        plant.run([BIN / "fedind", "data", "generate", "--out", root / "data", "--sites", "3",
+                   "--samples-per-site", "40", "--window", "256", "--seed", "1"])
+        plant.make_keys(SITES)
+        # 2. the SuperLink (TLS + SuperNode auth, SQLite state), the operator's flwr connection
+        plant.start_superlink(database=root / "superlink.db")
+        plant.connect_cli()
+        # 3. register the sites' public keys
+        plant.register()
+        yield plant
+    finally:
+        plant.close()
+
+
+def test_an_unregistered_supernode_is_refused(plant):
+    plant.run([BIN / "fedind", "deploy", "site-keys", "--out", plant.root / "rogue", "intruder"])
+    rogue = plant.start_supernode(
+        "intruder", plant.root / "data" / "sites" / "line-00", key=plant.root / "rogue" / "intruder"
+    )
+    assert rogue.popen.wait(timeout=60) != 0
+    assert "Failed to initialize the connection to the SuperLink" in rogue.text()
+    assert plant.online_nodes() == 0
+
+
+def test_a_supernode_that_does_not_trust_the_plant_ca_is_refused(plant):
+    other = plant.root / "other-ca"
+    plant.run([BIN / "fedind", "deploy", "certs", "--out", other])
+    # A registered key, but the server certificate does not verify against this CA.
+    stranger = plant.start(
+        "supernode-wrong-ca",
+        [BIN / "flower-supernode", "--superlink", f"127.0.0.1:{plant.port}", "--root-certificates", other / "ca.crt",
+         "--auth-supernode-private-key", plant.keys / "line-02", "--port", free_port(), "--max-retries", "1",
+         "--max-wait-time", "5"],
+        flwr_home=plant.site_home("stranger"),
+    )
+    assert stranger.popen.wait(timeout=60) != 0
+    assert "CERTIFICATE_VERIFY_FAILED" in stranger.text()
+    assert plant.online_nodes() == 0
+
+
+def scrape_while(alive, port: int, seen: dict) -> None:
+    """Keep the last successful scrape of the server's /metrics while ``alive()``."""
+    while alive():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            seen.update(
+                {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("fedind_")}
+            )
+        except OSError:
+            pass
+        threading.Event().wait(0.5)
+
+
+def test_a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant):
+    data = plant.root / "data"
+    nodes = {site: plant.start_supernode(site, data / "sites" / site) for site in SITES}
+    plant.wait_for(lambda: plant.online_nodes() == 3, 90, "3 SuperNodes online")
+
+    metrics_port = free_port()
+    run_config = (
+        f"data-root='{data}' run-dir='{plant.root / 'runs'}' run-name='e2e' num-server-rounds=2 local-epochs=1 "
+        f"model-width=8 compression='topk' topk-ratio=0.1 round-timeout=120.0 metrics-port={metrics_port}"
+    )
+    run = plant.start("flwr-run", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
+    seen: dict[str, float] = {}
+    scraper = threading.Thread(target=scrape_while, args=(run.alive, metrics_port, seen), daemon=True)
+    scraper.start()
+
+    # Restart line-00 between rounds: once it has sent its round-1 update, stop the agent
+    # (SIGTERM, as systemd does) and start it again. The server waits for all three sites
+    # before it samples a round; if round 2 was already on its way to line-00, that round
+    # counts line-00 as failed and the final evaluation still reaches the restarted agent.
+    plant.wait_for(lambda: "Sent successfully" in nodes["line-00"].text(), 150, "line-00's round-1 reply", run)
+    before = load_state(next(plant.state_dir("line-00").glob("run-*")))
+    plant.stop(nodes["line-00"], signal.SIGTERM)
+    restarted = plant.start_supernode("line-00", data / "sites" / "line-00", name="supernode-line-00-restarted")
+
+    assert run.popen.wait(timeout=240) == 0, run.text()[-4000:]
+    scraper.join(timeout=5)
+    log = run.text()
+    assert "fedind run 'e2e' finished: 2 rounds, 3 sites" in log
+
+    # Results and audit trail.
+    folder = plant.root / "runs" / "e2e"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["sites"] == 3
+    assert len(summary["model_sha256"]) == 64 and (folder / "model.safetensors").exists()
+    assert summary["config"]["compression"] == "topk" and summary["config"]["metrics-port"] == metrics_port
+    assert len(summary["code_version"]["source_sha256"]) == 64 and summary["code_version"]["fedind"]
+    assert sorted(summary["per_site"]) == SITES  # the restarted agent answered the final evaluation
+
+    # The restarted agent restored the state it had saved before the restart.
+    assert before is not None
+    _, manifest_before = before
+    assert [h["server-round"] for h in manifest_before["history"] if h["message-type"] == "train"] == [1]
+    state, manifest = load_state(next(plant.state_dir("line-00").glob("run-*")))
+    assert manifest["restores"] == 1
+    assert manifest["generation"] > manifest_before["generation"]
+    trains = [h for h in manifest["history"] if h["message-type"] == "train" and not h["reply-error"]]
+    assert trains[0]["server-round"] == 1
+    # error-feedback steps continue across the restart: one per train reply, before and after
+    assert int(state["topk-state"]["step"]) == len(trains)
+    assert manifest["history"][-1]["message-type"] == "evaluate"
+    assert "restored site state" in restarted.text()
+    for site in SITES[1:]:  # the others never restarted
+        assert load_state(next(plant.state_dir(site).glob("run-*")))[1]["restores"] == 0
+
+    # Prometheus saw the run while it was going.
+    assert seen.get("fedind_rounds_completed_total", 0) >= 1
+    assert seen["fedind_sites_expected"] == 3 and seen["fedind_uplink_bytes_total"] > 0
