@@ -4,6 +4,9 @@
 
     fedind data generate --out DIR --sites N --alpha A --seed S [--samples-per-site M] [--window L]
     fedind data check DIR
+    fedind deploy certs --out DIR [--host NAME_OR_IP ...]     (fedind/deploy.py)
+    fedind deploy site-keys --out DIR SITE_ID ... | --data-root DIR
+    fedind keys paillier --out DIR [--bits B] [--passphrase-env VAR]   (fedind/keys.py)
 
 ``generate`` writes a synthetic federation (``fedind.data.federation``) in the site data
 format of DESIGN.md and prints the ``flwr run`` command that trains on it; ``check``
@@ -101,6 +104,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("data_root", metavar="DIR", type=Path)
     check.set_defaults(run=_check)
+
+    from .deploy import add_commands as add_deploy_commands  # noqa: PLC0415
+
+    add_deploy_commands(commands)  # fedind deploy certs | site-keys
+
+    from .keys import add_commands as add_keys_commands  # noqa: PLC0415
+
+    add_keys_commands(commands)  # fedind keys paillier
     return parser
 
 

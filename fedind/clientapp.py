@@ -21,10 +21,14 @@ from .config import RunConfig
 from .data.format import DataFormatError
 from .data.sources import SiteData, site_from_dir, site_from_partition
 from .models import FaultCNN
-from .training import cosine_lr, evaluate, pick_device, train_local
+from .training import cosine_lr, evaluate, pick_device, prior_logit_adjustment, train_local
+from .site_state import state_mod
+from .secure import decrypt_query, paillier_mod
 from .transport import topk_mod
 
-app = ClientApp(mods=[topk_mod])
+# state_mod first (outermost): it saves context.state after the inner mods wrote to it.
+app = ClientApp(mods=[state_mod, topk_mod, paillier_mod])
+app.query()(decrypt_query)  # encryption = "paillier": decrypt the round's summed ciphertexts
 
 
 def run_config_of(msg: Message) -> RunConfig:
@@ -70,6 +74,8 @@ def train(msg: Message, context: Context) -> Message:
     before = evaluate(model, site.test if site.test is not None else site.train, device)
     seed = _site_seed(config, site.site_id, server_round)
     torch.manual_seed(seed)
+    histogram = np.bincount(site.train.y, minlength=model.head.out_features)
+    adjustment = prior_logit_adjustment(histogram, config.logit_adjustment) if config.logit_adjustment else None
     started = time.process_time()
     result = train_local(
         model,
@@ -81,8 +87,8 @@ def train(msg: Message, context: Context) -> Message:
         device=device,
         proximal_mu=float(msg.content[wire.CONFIG].get("proximal-mu", 0.0)),
         momentum=config.local_momentum,
+        logit_adjustment=adjustment,
     )
-    histogram = np.bincount(site.train.y, minlength=model.head.out_features)
     metrics = MetricRecord(
         {
             wire.NUM_EXAMPLES: site.train.num_examples,

@@ -17,6 +17,7 @@ from .data.federation import FederationSpec
 
 STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "dwa")
 COMPRESSIONS = ("none", "topk")
+ENCRYPTIONS = ("none", "paillier")
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,7 @@ class RunConfig:
     run_name: str = ""  # empty = <strategy>-<timestamp>
     target_accuracy: float = 0.75  # rounds-to-target is reported for this global accuracy
     local_momentum: float = 0.9  # site SGD momentum (reset every round)
+    logit_adjustment: float = 0.0  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
     server_learning_rate: float = 1.0  # fedavgm and fedadam only
@@ -56,12 +58,19 @@ class RunConfig:
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.01  # topk: share of coordinates sent per round
-    topk_quantization: str = "int8"  # topk: int8 (linear, per-tensor scale) | sign (1 bit + scale)
+    topk_quantization: str = "int8"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
     topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
     topk_residual_decay: float = 1.0  # topk: share of the error-feedback residual carried to the next round
     topk_warmup_rounds: int = 0  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
+    encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.secure)
+    paillier_public_key: str = ""  # paillier: the server's public key file ("": simulate() makes a throwaway pair)
+    paillier_private_key: str = ""  # paillier: the sites' private key file, unless node config paillier-private-key
+    paillier_clip: float = 1.0  # paillier: update values are clipped to [-clip, clip] before fixed-point encoding
+    paillier_key_bits: int = 2048  # paillier: size of the throwaway key pair that simulate() generates
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
+    metrics_port: int = 0  # Prometheus /metrics of the server during a run (0 = off; fedind.monitoring)
+    metrics_address: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = every interface)
 
     def __post_init__(self) -> None:
         checks = {
@@ -76,6 +85,7 @@ class RunConfig:
             "samples-per-site": self.samples_per_site >= 20,
             "target-accuracy": 0 < self.target_accuracy <= 1,
             "local-momentum": 0 <= self.local_momentum < 1,
+            "logit-adjustment": math.isfinite(self.logit_adjustment) and self.logit_adjustment >= 0,
             "model-width": self.model_width >= 4 and self.model_width % 4 == 0,
             "proximal-mu": self.proximal_mu >= 0,
             "server-learning-rate": self.server_learning_rate > 0,
@@ -89,18 +99,49 @@ class RunConfig:
             "conflict-damping": 0 <= self.conflict_damping <= 1,
             "compression": self.compression in COMPRESSIONS,
             "topk-ratio": 0 < self.topk_ratio <= 1,
-            "topk-quantization": self.topk_quantization in ("int8", "sign"),
+            "topk-quantization": self.topk_quantization in ("int8", "int4", "sign"),
             "topk-threshold": self.topk_threshold in ("exact", "sampled"),
             "topk-residual-decay": 0 <= self.topk_residual_decay <= 1,
             "topk-warmup-rounds": self.topk_warmup_rounds >= 0,
+            "encryption": self.encryption in ENCRYPTIONS,
+            "paillier-clip": math.isfinite(self.paillier_clip) and self.paillier_clip > 0,
+            "paillier-key-bits": self.paillier_key_bits >= 512 and self.paillier_key_bits % 64 == 0,
             "device": self.device in ("auto", "cpu", "cuda"),
             "round-timeout": self.round_timeout > 0,
+            "metrics-port": 0 <= self.metrics_port <= 65535,
+            "metrics-address": bool(self.metrics_address.strip()),
         }
         for key, ok in checks.items():
             if not ok:
                 value = getattr(self, key.replace("-", "_"))
                 hint = f" (choose from {', '.join(STRATEGIES)})" if key == "strategy" else ""
                 raise ConfigError(f"Invalid run config {key} = {value!r}{hint}")
+        if self.encryption == "paillier":
+            self._check_encryption()
+
+    def _check_encryption(self) -> None:
+        """Features that need each site's plaintext update cannot run under encryption: say so."""
+        why = "with encryption = 'paillier' the server only ever sees the sum of the sites' updates"
+        if self.compression != "none":
+            raise ConfigError(
+                f"Invalid run config compression = {self.compression!r}: {why}, and top-k updates of "
+                f"different sites cover different coordinates; set compression = 'none'"
+            )
+        if self.strategy == "dwa" and self.conflict_buffer and self.server_momentum == 0:
+            raise ConfigError(
+                f"Invalid run config conflict-buffer = true (with server-momentum = 0): {why}, so the "
+                f"per-site sign conflicts it needs are hidden; set conflict-buffer = false or server-momentum > 0"
+            )
+        if self.strategy == "dwa" and self.conflict_buffer and self.conflict_damping < 1:
+            raise ConfigError(
+                f"Invalid run config conflict-damping = {self.conflict_damping!r}: {why}, so the per-site "
+                f"sign agreement it needs is hidden; set conflict-damping = 1.0"
+            )
+        if not self.data_root and max(1, round(self.fraction_train * self.num_sites)) < 2:
+            raise ConfigError(
+                f"Invalid run config num-sites = {self.num_sites} / fraction-train = {self.fraction_train}: "
+                f"{why}, and a sum over one site is that site's update; sample at least 2 sites per round"
+            )
 
     @classmethod
     def from_flower(cls, run_config: Mapping[str, Any]) -> "RunConfig":

@@ -20,10 +20,13 @@ from .data.format import SiteArrays
 from .data.sources import check_data_root, global_test_set
 from .data.synthetic import NUM_CLASSES
 from .metering import MeteredGrid, Traffic
+from .monitoring import RunMonitor, code_version
 from .models import FaultCNN
+from .screening import UpdateScreen
 from .results import RoundRow, RunRecorder, package_versions, rounds_to_target, save_model
 from .strategies import build_strategy
 from .training import evaluate, pick_device
+from .secure import encrypted_server
 from .transport import densify_reply
 
 app = ServerApp()
@@ -66,8 +69,15 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     initial = ArrayRecord(model.state_dict())
     folder = Path(config.run_dir).resolve() / (config.run_name or f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     recorder = RunRecorder(folder)
-    metered = MeteredGrid(grid, transform=densify_reply)
-    strategy = build_strategy(config, num_sites, num_classes)
+    monitor = RunMonitor.start(config, folder.name, num_sites)  # Prometheus, if metrics-port > 0
+    if config.encryption == "paillier":  # the server holds the public key only (fedind.secure)
+        strategy, transform = encrypted_server(config, num_sites, num_classes)
+    else:
+        strategy, transform = build_strategy(config, num_sites, num_classes), densify_reply
+    # Plaintext updates are screened before the strategy sees them (fedind.screening);
+    # under encryption there is nothing the server could read to screen.
+    screen = UpdateScreen(num_classes) if config.encryption == "none" else None
+    metered = MeteredGrid(grid, transform=transform, screen=screen)
     clock = {"round": time.monotonic()}
     site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0}
     run_config_json = json.dumps(config.to_flower())
@@ -83,6 +93,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
                 site_cpu["site_train_cpu_seconds"] += float(reply.metrics.get(wire.TRAIN_SECONDS, 0.0))
                 site_cpu["site_compress_cpu_seconds"] += float(reply.metrics.get(wire.COMPRESS_SECONDS, 0.0))
             recorder.add(row)
+            monitor.record_round(row)
             log(
                 INFO,
                 "round %d/%d  accuracy %.4f  loss %.4f  sites %d  failed %d  up %.2f MB  down %.2f MB  %.1f s",
@@ -107,6 +118,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     )
     per_site = evaluate_at_sites(metered, node_ids, result.arrays, run_config_json, config.round_timeout)
     summary = _finish(config, recorder, result.arrays, per_site, time.monotonic() - started, num_sites, site_cpu)
+    monitor.finish()
+    monitor.close()
     log(INFO, "%s", format_summary(summary, folder))
     if not any(row.sites for row in recorder.rows):
         raise RuntimeError("no site update was aggregated in any round; see the failures logged above")
@@ -185,6 +198,7 @@ def _finish(
         "per_site": per_site,
         "config": config.to_flower(),
         "versions": package_versions(),
+        "code_version": code_version(),  # fedind version, git describe, source SHA-256
     }
     recorder.write_summary(summary)
     recorder.plot(f"{config.strategy}, {num_sites} sites")

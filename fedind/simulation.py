@@ -13,6 +13,7 @@ from flwr.simulation import run_simulation
 
 from .clientapp import app as client_app
 from .config import RunConfig
+from .secure import provision_simulation_keys
 from .serverapp import federation_shape, run_server
 
 
@@ -20,6 +21,9 @@ def simulate(config: RunConfig, num_supernodes: int | None = None, num_cpus: flo
     """Run ``config`` with one virtual SuperNode per site; return its summary.json."""
     if not config.run_name:
         config = replace(config, run_name=f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if config.encryption == "paillier" and not config.paillier_public_key:
+        # A throwaway key pair in the run folder: the server gets the .pub, the sites the .key.
+        config = provision_simulation_keys(config, Path(config.run_dir) / config.run_name)
     server_app = ServerApp()
 
     @server_app.main()

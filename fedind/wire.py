@@ -5,6 +5,9 @@ CONFIG = "config"  # ConfigRecord: server -> site instructions
 METRICS = "metrics"  # MetricRecord: site -> server numbers
 SITE = "site"  # ConfigRecord: site -> server identity
 SPARSE_UPDATE = "sparse-update"  # ConfigRecord: site -> server top-k delta (fedind.compression)
+ENCRYPTED_UPDATE = "encrypted-update"  # ConfigRecord: site -> server Paillier ciphertexts (fedind.crypto)
+ENCRYPTED_AGGREGATE = "encrypted-aggregate"  # ConfigRecord: server -> decrypting site, the summed ciphertexts
+AGGREGATE = "aggregate"  # ArrayRecord: decrypting site -> server, the decrypted weighted mean delta
 
 # ConfigRecord keys, server -> site
 SERVER_ROUND = "server-round"  # set by Flower's strategies
@@ -18,6 +21,8 @@ LOCAL_ACCURACY = "local-accuracy"  # received global model on the site's own tes
 LOCAL_LOSS = "local-loss"
 TRAIN_SECONDS = "train-seconds"  # CPU seconds of local training
 COMPRESS_SECONDS = "compress-seconds"  # CPU seconds of sparsifying + encoding the update
+ENCRYPT_SECONDS = "encrypt-seconds"  # seconds the site waited after training to encrypt its update
+CLIPPED_VALUES = "clipped-values"  # update values clipped to [-paillier-clip, paillier-clip] before encryption
 
 # ConfigRecord keys, site -> server
 SITE_ID = "site-id"

@@ -1,0 +1,343 @@
+"""Paillier maths (fedind.crypto): packing, weighted sums, bounds, payload validation, keys.
+
+Real Paillier ciphertexts throughout, with small keys (512 / 1024 bits) to stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+
+import gmpy2
+import numpy as np
+import pytest
+
+from fedind import crypto
+from fedind.cli import main as cli_main
+from fedind.config import ConfigError, RunConfig
+from fedind.crypto import (
+    MAX_SITES,
+    SLOT_BITS,
+    VALUE_BITS,
+    VALUE_MAX,
+    CiphertextError,
+    KeyFileError,
+    ObfuscatorPool,
+    PublicKey,
+    decrypt_sum,
+    encrypt_levels,
+    integer_weights,
+    load_private_key,
+    load_public_key,
+    pack,
+    parse_record,
+    quantisation_bound,
+    quantise,
+    save_keypair,
+    unpack,
+    weighted_sum,
+)
+
+
+@pytest.fixture(scope="module")
+def key():
+    return crypto.generate_keypair(1024)
+
+
+@pytest.fixture(scope="module")
+def other_key():
+    return crypto.generate_keypair(512)
+
+
+def encrypt(values, key, clip=1.0):
+    levels, _ = quantise(np.asarray(values), clip)
+    return encrypt_levels(levels, key, clip)
+
+
+def raw_ciphertext(key, m: int) -> int:
+    """A well-formed ciphertext of an arbitrary plaintext m (what a cheating site could send)."""
+    (r,) = key.obfuscators(1)
+    n, n2 = key.public.n, key.public.n_square
+    return (1 + m * n) * r % n2
+
+
+# --------------------------------------------------------------------------- sums
+
+
+@pytest.mark.parametrize("count", [1, 32, 33, 34, 1000])
+def test_decrypted_weighted_sum_matches_the_plaintext_oracle_within_the_bound(key, count):
+    rng = np.random.default_rng(count)
+    clip = 0.5
+    updates = [rng.normal(scale=0.2, size=count).astype(np.float32) for _ in range(4)]
+    updates[0][:1] = 0.7  # clipped
+    updates[1][:1] = -clip  # exactly at the clip
+    weights = [3.0, 1.0, 0.5, 2.5]
+    k = integer_weights(weights)
+    aggregate = weighted_sum([encrypt(u, key, clip) for u in updates], k, key.public)
+    mean = decrypt_sum(aggregate, key)
+    oracle = np.average(np.stack([np.clip(u.astype(np.float64), -clip, clip) for u in updates]), axis=0, weights=k)
+    assert mean.dtype == np.float32 and mean.shape == (count,)
+    tolerance = quantisation_bound(clip) + np.abs(oracle) * 2**-23
+    assert np.all(np.abs(mean - oracle) <= tolerance)
+    # and the integer weights are the strategy's weights to within 1/(2K) each
+    assert np.allclose(np.array(k) / MAX_SITES, np.array(weights) / sum(weights), atol=0.5 / MAX_SITES)
+
+
+def test_extremes_of_every_slot_survive_the_largest_weight_sum(key):
+    """All sites at +clip (or -clip) with weights summing to K: the slot sums hit W * 2Q and 0."""
+    count = 2 * key.public.slots + 3
+    ones = np.ones(count, dtype=np.float32)
+    aggregate = weighted_sum([encrypt(ones, key), encrypt(ones, key)], [MAX_SITES - 1, 1], key.public)
+    assert np.all(decrypt_sum(aggregate, key) == 1.0)
+    aggregate = weighted_sum([encrypt(-ones, key), encrypt(-ones, key)], [512, 512], key.public)
+    assert np.all(decrypt_sum(aggregate, key) == -1.0)
+
+
+def test_quantisation_bound_formula():
+    assert quantisation_bound(1.0) == 1.0 / (2 * (2**20 - 1))
+    assert SLOT_BITS == 1 + 20 + 10 and MAX_SITES * 2 * VALUE_MAX < 2**SLOT_BITS
+
+
+def test_pack_unpack_roundtrip_and_refusals():
+    rng = np.random.default_rng(0)
+    levels = rng.integers(0, 2**31, size=70)
+    assert np.array_equal(unpack(pack(levels, 33), 33, 70), levels)
+    with pytest.raises(ValueError, match=r"\[0, 2\^31\)"):
+        pack(np.array([-1]), 33)
+    with pytest.raises(CiphertextError, match="bits above"):
+        unpack([1 << (33 * 31)], 33, 1)
+
+
+def test_quantise_refuses_nan_and_counts_clipped():
+    levels, clipped = quantise(np.array([0.0, 2.0, -3.0, 0.5]), 1.0)
+    assert clipped == 2 and list(levels) == [VALUE_MAX, 2 * VALUE_MAX, 0, VALUE_MAX + round(VALUE_MAX / 2)]
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        quantise(np.array([0.0, np.nan]), 1.0)
+    with pytest.raises(ValueError, match="clip"):
+        quantise(np.zeros(2), 0.0)
+
+
+# --------------------------------------------------------------------------- headroom / overflow
+
+
+def test_more_sites_than_the_headroom_allows_are_refused():
+    assert sum(integer_weights(np.ones(MAX_SITES))) == MAX_SITES
+    with pytest.raises(CiphertextError, match=f"at most {MAX_SITES} encrypted updates"):
+        integer_weights(np.ones(MAX_SITES + 1))
+
+
+def test_integer_weights_beyond_the_headroom_are_refused(key):
+    v = encrypt(np.zeros(5), key)
+    with pytest.raises(CiphertextError, match="slot headroom"):
+        weighted_sum([v, v], [MAX_SITES, 1], key.public)
+    with pytest.raises(CiphertextError, match="slot headroom"):
+        weighted_sum([v, v], [-1, 3], key.public)
+
+
+def test_a_site_that_encrypts_an_out_of_range_slot_makes_decryption_refuse(key):
+    honest = encrypt(np.zeros(3), key)
+    # slot 1 far above 2Q (the largest level a site can quantise to), short of a carry:
+    # decryption catches slot sums above W * 2Q (not every in-range lie; README threat model)
+    cheat = [raw_ciphertext(key, (2**SLOT_BITS - 2**VALUE_BITS) << SLOT_BITS)]
+    forged = crypto.EncryptedVector("update", key.public.fingerprint, 3, 1.0, 1, 1, cheat)
+    aggregate = weighted_sum([honest, forged], [1, 1], key.public)
+    with pytest.raises(CiphertextError, match=r"value 1: decrypted slot sum .* exceeds .*overflow"):
+        decrypt_sum(aggregate, key)
+
+
+def test_a_plaintext_above_the_last_slot_makes_decryption_refuse(key):
+    cheat = [raw_ciphertext(key, 1 << (key.public.slots * SLOT_BITS))]
+    forged = crypto.EncryptedVector("aggregate", key.public.fingerprint, 3, 1.0, 2, 2, cheat)
+    with pytest.raises(CiphertextError, match="bits above its 33 slots: overflow"):
+        decrypt_sum(forged, key)
+
+
+# --------------------------------------------------------------------------- payload checks
+
+
+def test_payload_roundtrip_and_size(key):
+    count = 100
+    record = encrypt(np.linspace(-1, 1, count), key).to_config(key.public)
+    parsed = parse_record(record, key.public, kind="update", count=count, clip=1.0)
+    assert parsed.count == count and len(parsed.ciphertexts) == math.ceil(count / 33)
+    assert len(record["ciphertexts"]) == 4 * 256
+
+
+@pytest.mark.parametrize("bits", [1024, 2048, 3072])
+def test_ciphertext_bytes_are_at_most_twice_the_float32_bytes(bits):
+    pub = PublicKey((1 << (bits - 1)) + 1)
+    assert pub.ciphertext_bytes / (4 * pub.slots) <= 2.0
+    assert pub.slots * SLOT_BITS <= bits - 1  # every packed plaintext is below n
+
+
+def _tamper(record: dict, **changes) -> dict:
+    out = dict(record)
+    out.update(changes)
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r, k: _tamper(r, ciphertexts=r["ciphertexts"][:-1]), "truncated or padded"),
+        (lambda r, k: _tamper(r, ciphertexts=r["ciphertexts"] + b"\0" * 256), "truncated or padded"),
+        (lambda r, k: _tamper(r, ciphertexts=b"\xff" * len(r["ciphertexts"])), "out of range"),
+        (lambda r, k: _tamper(r, ciphertexts=b"\0" * len(r["ciphertexts"])), "out of range"),
+        (lambda r, k: _tamper(r, ciphertexts=k.public.n.to_bytes(256, "big") + r["ciphertexts"][256:]), "not a unit"),
+        (lambda r, k: _tamper(r, key="0" * 64), "key fingerprint 0000000000000000… does not match"),
+        (lambda r, k: _tamper(r, count=99), "count 99: expected 40"),
+        (lambda r, k: _tamper(r, clip=2.0), "clip 2.0: expected 1.0"),
+        (lambda r, k: _tamper(r, version=2), "version 2"),
+        (lambda r, k: _tamper(r, kind="aggregate"), "kind 'aggregate'"),
+        (lambda r, k: _tamper(r, weight=5), "weight 1 and sites 1"),
+        (lambda r, k: _tamper(r, **{"slot-bits": 32}), "layout slot-bits 32"),
+        (lambda r, k: {x: v for x, v in r.items() if x != "count"}, r"missing \['count'\]"),
+        (lambda r, k: _tamper(r, extra=1), r"unexpected \['extra'\]"),
+        (lambda r, k: _tamper(r, ciphertexts="abc"), "expected bytes"),
+    ],
+)
+def test_tampered_payloads_are_rejected_naming_the_fault(key, change, message):
+    record = encrypt(np.zeros(40), key).to_config(key.public)
+    with pytest.raises(CiphertextError, match=message):
+        parse_record(change(record, key), key.public, kind="update", count=40, clip=1.0)
+
+
+def test_a_payload_under_another_key_is_rejected(key, other_key):
+    record = encrypt(np.zeros(40), other_key).to_config(other_key.public)
+    with pytest.raises(CiphertextError, match="does not match the federation's public key"):
+        parse_record(record, key.public, kind="update", count=40, clip=1.0)
+    aggregate = weighted_sum([encrypt(np.zeros(4), other_key)] * 2, [1, 1], other_key.public)
+    with pytest.raises(CiphertextError, match="is not this site's key"):
+        decrypt_sum(aggregate, key)
+
+
+def test_aggregate_record_checks_weight_and_sites(key):
+    v = encrypt(np.zeros(4), key)
+    record = weighted_sum([v, v], [600, 424], key.public).to_config(key.public)
+    assert parse_record(record, key.public, kind="aggregate").weight == MAX_SITES
+    with pytest.raises(CiphertextError, match="need 1 <= sites <= weight"):
+        parse_record(_tamper(record, weight=MAX_SITES + 1), key.public, kind="aggregate")
+
+
+# --------------------------------------------------------------------------- obfuscators
+
+
+def test_crt_obfuscators_are_nth_residues(key):
+    p, q = key.p, key.q
+    for y in key.obfuscators(4):
+        assert 0 < y < key.public.n_square and gmpy2.powmod(y, (p - 1) * (q - 1), key.public.n_square) == 1
+
+
+def test_pool_drawn_in_background_and_in_processes_encrypts_correctly(key):
+    pool = ObfuscatorPool(key)
+    pool.fill_async(3, chunk=2)
+    assert len(pool.take(3)) == 3 and len(pool) == 0
+    parallel = ObfuscatorPool(key, workers=2)
+    parallel.fill(6)
+    assert len(parallel) == 6
+    levels, _ = quantise(np.linspace(-0.5, 0.5, 6 * key.public.slots), 1.0)
+    v = encrypt_levels(levels, key, 1.0, parallel)
+    out = decrypt_sum(weighted_sum([v, v], [1, 1], key.public), key)
+    assert np.abs(out - np.linspace(-0.5, 0.5, levels.size)).max() <= quantisation_bound(1.0) + 1e-7
+
+
+# --------------------------------------------------------------------------- key files
+
+
+def test_key_files_roundtrip_with_modes(tmp_path, key):
+    save_keypair(key, tmp_path / "k", tmp_path / "k.pub")
+    assert stat.S_IMODE(os.stat(tmp_path / "k").st_mode) == 0o600
+    assert load_private_key(tmp_path / "k").public == key.public == load_public_key(tmp_path / "k.pub")
+    with pytest.raises(FileExistsError):
+        save_keypair(key, tmp_path / "k", tmp_path / "other.pub")
+
+
+def test_the_server_loader_refuses_a_private_key_file(tmp_path, key):
+    save_keypair(key, tmp_path / "k", tmp_path / "k.pub")
+    with pytest.raises(KeyFileError, match="PRIVATE key file; the server takes the public key"):
+        load_public_key(tmp_path / "k")
+
+
+def test_private_key_readable_by_others_is_refused(tmp_path, key):
+    save_keypair(key, tmp_path / "k", tmp_path / "k.pub")
+    os.chmod(tmp_path / "k", 0o644)
+    with pytest.raises(KeyFileError, match=r"accessible by others \(mode 0o644\); chmod 600"):
+        load_private_key(tmp_path / "k")
+
+
+def test_sealed_private_key_needs_the_passphrase(tmp_path, key, monkeypatch):
+    save_keypair(key, tmp_path / "k", tmp_path / "k.pub", passphrase="correct horse")
+    assert '"p"' not in (tmp_path / "k").read_text()
+    monkeypatch.delenv(crypto.PASSPHRASE_ENV, raising=False)
+    with pytest.raises(KeyFileError, match="sealed with a passphrase; set FEDIND_PAILLIER_PASSPHRASE"):
+        load_private_key(tmp_path / "k")
+    with pytest.raises(KeyFileError, match="wrong passphrase"):
+        load_private_key(tmp_path / "k", passphrase="wrong")
+    monkeypatch.setenv(crypto.PASSPHRASE_ENV, "correct horse")
+    assert load_private_key(tmp_path / "k").public == key.public
+
+
+def test_edited_key_files_are_refused(tmp_path, key):
+    save_keypair(key, tmp_path / "k", tmp_path / "k.pub")
+    body = json.loads((tmp_path / "k.pub").read_text())
+    body["n"] = format(key.public.n + 2, "x")
+    (tmp_path / "k.pub").write_text(json.dumps(body))
+    with pytest.raises(KeyFileError, match="fingerprint does not match"):
+        load_public_key(tmp_path / "k.pub")
+    (tmp_path / "x.pub").write_text("not json")
+    with pytest.raises(KeyFileError, match="not a JSON key file"):
+        load_public_key(tmp_path / "x.pub")
+
+
+def test_cli_writes_the_pair_and_never_overwrites(tmp_path, capsys, monkeypatch):
+    assert cli_main(["keys", "paillier", "--out", str(tmp_path / "keys"), "--bits", "512"]) == 0
+    out = capsys.readouterr().out
+    private, public = tmp_path / "keys" / "paillier.key", tmp_path / "keys" / "paillier.pub"
+    assert stat.S_IMODE(os.stat(private).st_mode) == 0o600
+    assert load_public_key(public).fingerprint in out
+    assert cli_main(["keys", "paillier", "--out", str(tmp_path / "keys"), "--bits", "512"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    monkeypatch.setenv("PLANT_PASS", "s3cret")
+    assert cli_main(["keys", "paillier", "--out", str(tmp_path / "sealed"), "--bits", "512",
+                     "--passphrase-env", "PLANT_PASS"]) == 0
+    assert load_private_key(tmp_path / "sealed" / "paillier.key", passphrase="s3cret").public.bits == 512
+    assert cli_main(["keys", "paillier", "--out", str(tmp_path / "x"), "--bits", "500"]) == 2
+
+
+# --------------------------------------------------------------------------- run config
+
+
+@pytest.mark.parametrize(
+    "settings, key_name",
+    [
+        (dict(compression="topk"), "compression"),
+        (dict(strategy="dwa", conflict_buffer=True, server_momentum=0.0), "conflict-buffer"),
+        (dict(strategy="dwa", conflict_damping=0.5), "conflict-damping"),
+        (dict(num_sites=1), "num-sites"),
+        (dict(num_sites=3, fraction_train=0.2), "num-sites"),
+        (dict(paillier_clip=0.0), "paillier-clip"),
+        (dict(paillier_key_bits=1000), "paillier-key-bits"),
+        (dict(encryption="rsa"), "encryption"),
+    ],
+)
+def test_features_that_cannot_work_under_encryption_fail_at_start(settings, key_name):
+    settings = {"encryption": "paillier", **settings}
+    with pytest.raises(ConfigError, match=f"Invalid run config {key_name}"):
+        RunConfig(**settings)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(strategy="dwa"),  # default DWA: restart momentum acts on the aggregate only
+        dict(strategy="dwa", conflict_buffer=False, server_momentum=0.0),
+        dict(strategy="fedavgm"),
+        dict(strategy="fedadam"),
+        dict(strategy="fedprox"),
+        dict(strategy="fedavg", fraction_train=0.5),
+    ],
+)
+def test_features_that_work_under_encryption_are_accepted(settings):
+    assert RunConfig(encryption="paillier", **settings).encryption == "paillier"

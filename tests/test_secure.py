@@ -1,0 +1,394 @@
+"""Encrypted aggregation in Flower (fedind.secure): the site mod, the decrypt query, the
+server's reply check and the SecureAggregation wrapper, with real Paillier ciphertexts.
+
+Rounds run through a fake Grid that hands each message to the site-side code (the mod with a
+stand-in for training, or the query handler). A guard makes any construction of a private
+key, or any read of the private-key file, fail unless the site side is running: the server
+side never loads the private key. One short simulation (Ray) checks the same end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+
+from fedind import crypto, wire
+from fedind.aggregation import GlobalHistogram, dwa_weights
+from fedind.config import ConfigError, RunConfig
+from fedind.metering import MeteredGrid
+from fedind.secure import (
+    REJECTED_CIPHERTEXT,
+    SITE_KEY_MISSING,
+    SecureAggregation,
+    decrypt_query,
+    encrypted_server,
+    paillier_mod,
+)
+
+pytestmark = pytest.mark.usefixtures("flower_task_identity")
+
+SHAPES = {"conv.weight": (4, 3, 5), "head.weight": (3, 8), "head.bias": (3,)}  # 87 values, 3 ciphertexts
+CLIP = 0.5
+
+
+@pytest.fixture(scope="module")
+def key_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("keys")
+    key = crypto.generate_keypair(512)
+    crypto.save_keypair(key, folder / "paillier.key", folder / "paillier.pub")
+    return key, folder / "paillier.key", folder / "paillier.pub"
+
+
+@pytest.fixture
+def site_side(monkeypatch, key_files):
+    """A switch: private keys may be built / read only while ``state["site"]`` is True."""
+    _, private_path, _ = key_files
+    state = {"site": False}
+    original_init, original_read = crypto.PrivateKey.__init__, crypto._read_key_file
+
+    def guarded_init(self, p, q):
+        if not state["site"]:
+            raise AssertionError("the server side constructed a Paillier private key")
+        original_init(self, p, q)
+
+    def guarded_read(path: Path):
+        if Path(path).resolve() == private_path.resolve() and not state["site"]:
+            raise AssertionError("the server side read the private key file")
+        return original_read(path)
+
+    monkeypatch.setattr(crypto.PrivateKey, "__init__", guarded_init)
+    monkeypatch.setattr(crypto, "_read_key_file", guarded_read)
+    return state
+
+
+@pytest.fixture
+def flwr_logs(caplog, monkeypatch):
+    logger = logging.getLogger("flwr")
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="flwr")
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def arrays(seed: int, scale: float = 1.0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: (scale * rng.normal(size=s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def config(key_files, **settings) -> RunConfig:
+    _, private_path, public_path = key_files
+    values = dict(encryption="paillier", paillier_public_key=str(public_path),
+                  paillier_private_key=str(private_path), paillier_clip=CLIP, num_sites=3, strategy="fedavg")
+    return RunConfig(**{**values, **settings})
+
+
+class Site:
+    """A site's train handler stand-in (local weights, counts) plus the real fedind mods."""
+
+    def __init__(self, node_id: int, local: dict, n: int, histogram: list[int], *, cheat=None, node_config=None):
+        self.node_id, self.local, self.n, self.histogram = node_id, local, n, histogram
+        self.cheat = cheat  # reply -> reply: what a misbehaving site does to its encrypted reply
+        self.context = Context(run_id=1, node_id=node_id, node_config=node_config or {}, state=RecordDict(), run_config={})
+
+    def train(self, msg: Message, context: Context) -> Message:
+        content = RecordDict(
+            {
+                wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in self.local.items()}),
+                wire.METRICS: MetricRecord(
+                    {wire.NUM_EXAMPLES: self.n, wire.LABEL_HISTOGRAM: self.histogram, wire.TRAIN_LOSS: float(self.n)}
+                ),
+                wire.SITE: ConfigRecord({wire.SITE_ID: f"line-{self.node_id}"}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    def handle(self, msg: Message) -> Message:
+        if msg.metadata.message_type == MessageType.TRAIN:
+            reply = paillier_mod(msg, self.context, self.train)
+            return self.cheat(reply) if self.cheat and not reply.has_error() else reply
+        return decrypt_query(msg, self.context)
+
+
+class SiteGrid:
+    """A Grid whose SuperNodes are ``Site`` objects in this process (site side switched on)."""
+
+    def __init__(self, sites: list[Site], state: dict, down: set[int] = frozenset()):
+        self.sites = {s.node_id: s for s in sites}
+        self.state, self.down = state, set(down)
+        self.queries: list[int] = []
+
+    def get_node_ids(self):
+        return sorted(self.sites)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            if msg.metadata.message_type == MessageType.QUERY:
+                self.queries.append(node)
+                if node in self.down:
+                    continue  # no answer
+            self.state["site"] = True
+            try:
+                replies.append(self.sites[node].handle(msg))
+            finally:
+                self.state["site"] = False
+        return replies
+
+
+def run_round(strategy: SecureAggregation, transform, grid: SiteGrid, global_arrays: dict, cfg: RunConfig, server_round=1):
+    metered = MeteredGrid(grid, transform=transform)
+    train_config = ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower())})
+    messages = strategy.configure_train(server_round, ArrayRecord({k: Array(v) for k, v in global_arrays.items()}),
+                                        train_config, metered)
+    replies = metered.send_and_receive(messages)
+    new, metrics = strategy.aggregate_train(server_round, replies)
+    return new, metrics, metered.take()
+
+
+def sites_for(global_arrays: dict, counts=(30, 10, 60), hists=None, **kwargs) -> tuple[list[Site], list[dict]]:
+    hists = hists or [[c, 0, 0] for c in counts]
+    locals_ = [{k: v + arrays(10 + i, 0.1)[k] for k, v in global_arrays.items()} for i in range(len(counts))]
+    return [Site(i + 1, loc, n, h, **kwargs) for i, (loc, n, h) in enumerate(zip(locals_, counts, hists))], locals_
+
+
+def oracle(global_arrays, locals_, weights) -> dict:
+    return {
+        k: global_arrays[k].astype(np.float64)
+        + np.average(np.stack([np.clip(loc[k].astype(np.float64) - global_arrays[k], -CLIP, CLIP) for loc in locals_]),
+                     axis=0, weights=weights)
+        for k in global_arrays
+    }
+
+
+def close(new: ArrayRecord, expected: dict) -> float:
+    return max(float(np.abs(new[k].numpy().astype(np.float64) - expected[k]).max()) for k in expected)
+
+
+# --------------------------------------------------------------------------- one round
+
+
+def test_encrypted_round_equals_the_plaintext_weighted_mean_and_the_server_holds_no_private_key(key_files, site_side):
+    cfg = config(key_files)
+    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(0)
+    sites, locals_ = sites_for(g)
+    grid = SiteGrid(sites, site_side)
+    new, metrics, traffic = run_round(strategy, transform, grid, g, cfg)
+    k = crypto.integer_weights([30, 10, 60])
+    # one float32 rounding of the reply weights, plus the documented quantisation bound
+    assert close(new, oracle(g, locals_, k)) <= crypto.quantisation_bound(CLIP) + 4e-7
+    assert metrics["paillier-sites"] == 3
+    assert metrics[wire.TRAIN_LOSS] == pytest.approx((30 * 30 + 10 * 10 + 60 * 60) / 100)
+    assert len(grid.queries) == 1 and not traffic.failures
+    # nothing in clear on the uplink: train replies carry ciphertexts, no arrays
+    assert traffic.uplink_bytes > 3 * 2 * 87 * 4
+
+
+def test_dwa_weights_apply_under_encryption(key_files, site_side):
+    cfg = config(key_files, strategy="dwa", conflict_buffer=False, server_momentum=0.0, dwa_temperature=0.5)
+    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(1)
+    hists = [[20, 10, 0], [0, 5, 5], [10, 10, 40]]
+    sites, locals_ = sites_for(g, counts=(30, 10, 60), hists=hists)
+    new, metrics, _ = run_round(strategy, transform, SiteGrid(sites, site_side), g, cfg)
+    hist = GlobalHistogram(3)
+    for i, h in enumerate(hists):
+        hist.update(f"line-{i + 1}", h)
+    w = dwa_weights(np.array([30.0, 10.0, 60.0]), hists, hist.distribution(), temperature=0.5, floor=cfg.dwa_floor)
+    assert not np.allclose(w, [0.3, 0.1, 0.6], atol=0.01)  # the KL weights differ from FedAvg's here
+    assert close(new, oracle(g, locals_, crypto.integer_weights(w))) <= crypto.quantisation_bound(CLIP) + 4e-7
+    assert metrics[wire.DWA_WEIGHT_MIN] == pytest.approx(w.min())
+
+
+def test_server_momentum_acts_on_the_decrypted_aggregate(key_files, site_side):
+    cfg = config(key_files, strategy="fedavgm", server_momentum=0.5)
+    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(2)
+    sites, locals_ = sites_for(g)
+    grid = SiteGrid(sites, site_side)
+    first, _, _ = run_round(strategy, transform, grid, g, cfg, server_round=1)
+    g1 = {k: v.numpy() for k, v in first.items()}
+    sites2 = [Site(s.node_id, {k: g1[k] + (s.local[k] - g[k]) for k in g}, s.n, s.histogram) for s in sites]
+    second, _, _ = run_round(strategy, transform, SiteGrid(sites2, site_side), g1, cfg, server_round=2)
+    step = oracle(g, locals_, crypto.integer_weights([30, 10, 60]))
+    # heavy ball: the second step is the mean delta plus 0.5 x the first step
+    expected = {k: g1[k] + (step[k] - g[k]) * 1.5 for k in g}
+    assert close(second, expected) <= 4 * crypto.quantisation_bound(CLIP) + 1e-6
+
+
+# --------------------------------------------------------------------------- rejections
+
+
+def truncate(reply: Message) -> Message:
+    reply.content[wire.ENCRYPTED_UPDATE]["ciphertexts"] = reply.content[wire.ENCRYPTED_UPDATE]["ciphertexts"][:-7]
+    return reply
+
+
+def wrong_fingerprint(reply: Message) -> Message:
+    reply.content[wire.ENCRYPTED_UPDATE]["key"] = "ab" * 32
+    return reply
+
+
+def out_of_range(reply: Message) -> Message:
+    record = reply.content[wire.ENCRYPTED_UPDATE]
+    record["ciphertexts"] = b"\xff" * len(record["ciphertexts"])
+    return reply
+
+
+def plaintext(reply: Message) -> Message:
+    reply.content[wire.ARRAYS] = ArrayRecord({"head.bias": Array(np.zeros(3, np.float32))})
+    return reply
+
+
+@pytest.mark.parametrize(
+    "cheat, reason",
+    [
+        (truncate, "truncated or padded"),
+        (wrong_fingerprint, "key fingerprint abababababababab… does not match"),
+        (out_of_range, "ciphertext 0 is out of range"),
+        (plaintext, "carries plaintext arrays"),
+    ],
+)
+def test_bad_encrypted_replies_become_logged_failures_and_the_round_goes_on(key_files, site_side, cheat, reason):
+    cfg = config(key_files, num_sites=4)
+    strategy, transform = encrypted_server(cfg, num_sites=4, num_classes=3)
+    g = arrays(3)
+    sites, locals_ = sites_for(g, counts=(30, 10, 60, 20))
+    sites[3].cheat = cheat
+    new, _, traffic = run_round(strategy, transform, SiteGrid(sites, site_side), g, cfg)
+    assert len(traffic.failures) == 1 and "rejected encrypted update" in traffic.failures[0]
+    assert reason in traffic.failures[0]
+    # the three good sites are aggregated without the bad one
+    assert close(new, oracle(g, locals_[:3], crypto.integer_weights([30, 10, 60]))) <= 1e-6
+
+
+def test_an_overflowing_site_makes_the_decrypting_site_refuse_and_the_round_is_skipped(key_files, site_side, flwr_logs):
+    key, _, _ = key_files
+    cfg = config(key_files)
+    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(4)
+
+    def overflow(reply: Message) -> Message:  # a well-formed ciphertext of a plaintext beyond the slots
+        site_side["site"] = True
+        (r,) = key.obfuscators(1)
+        site_side["site"] = False
+        n, n2 = key.public.n, key.public.n_square
+        record = reply.content[wire.ENCRYPTED_UPDATE]
+        m = 1 << (key.public.slots * crypto.SLOT_BITS)
+        forged = ((1 + m * n) * r % n2).to_bytes(key.public.ciphertext_bytes, "big")
+        record["ciphertexts"] = forged + record["ciphertexts"][len(forged):]
+        return reply
+
+    sites, _ = sites_for(g)
+    sites[0].cheat = overflow
+    new, metrics, traffic = run_round(strategy, transform, SiteGrid(sites, site_side), g, cfg)
+    assert new is None and metrics is None
+    logged = " ".join(r.getMessage() for r in flwr_logs.records)
+    assert "refused to decrypt the aggregate" in logged and "overflow" in logged
+    assert any("refused to decrypt" in f for f in traffic.failures)
+
+
+def test_a_failed_decrypt_query_goes_to_the_next_site(key_files, site_side):
+    cfg = config(key_files)
+    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(5)
+    sites, locals_ = sites_for(g)
+    grid = SiteGrid(sites, site_side, down={1})
+    new, _, traffic = run_round(strategy, transform, grid, g, cfg)
+    assert grid.queries == [1, 2] and new is not None
+    assert any("no reply" in f for f in traffic.failures)
+
+
+def test_fewer_than_two_valid_updates_are_not_decrypted(key_files, site_side, flwr_logs):
+    cfg = config(key_files)
+    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(6)
+    sites, _ = sites_for(g)
+    sites[1].cheat = sites[2].cheat = truncate
+    grid = SiteGrid(sites, site_side)
+    new, _, _ = run_round(strategy, transform, grid, g, cfg)
+    assert new is None and grid.queries == []
+    assert "fewer than 2 sites is not decrypted" in " ".join(r.getMessage() for r in flwr_logs.records)
+
+
+def test_the_decrypting_site_refuses_an_aggregate_of_one_site(key_files, site_side):
+    key, _, _ = key_files
+    cfg = config(key_files)
+    site = Site(1, arrays(0), 10, [10, 0, 0])
+    site_side["site"] = True
+    levels, _ = crypto.quantise(np.zeros(87), CLIP)
+    single = crypto.encrypt_levels(levels, key, CLIP)
+    aggregate = crypto.weighted_sum([single], [crypto.MAX_SITES], key.public)
+    query = Message(RecordDict({wire.ENCRYPTED_AGGREGATE: ConfigRecord(aggregate.to_config(key.public)),
+                                wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower())})}),
+                    message_type=MessageType.QUERY, dst_node_id=1)
+    reply = decrypt_query(query, site.context)
+    assert reply.has_error() and "aggregate of 1 site(s) is not decrypted" in reply.error.reason
+
+
+def test_a_site_without_its_private_key_replies_with_an_error(key_files, site_side):
+    cfg = config(key_files, paillier_private_key="")
+    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(7)
+    sites, _ = sites_for(g)
+    _, _, traffic = run_round(strategy, transform, SiteGrid(sites, site_side), g, cfg)
+    assert len(traffic.failures) == 3 and "node config paillier-private-key" in traffic.failures[0]
+
+
+def test_the_mod_passes_plain_runs_through(key_files, site_side):
+    g = arrays(8)
+    site = Site(1, arrays(9), 10, [10, 0, 0])
+    cfg = RunConfig(num_sites=3)
+    msg = Message(RecordDict({wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in g.items()}),
+                              wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower())})}),
+                  message_type=MessageType.TRAIN, dst_node_id=1)
+    reply = paillier_mod(msg, site.context, site.train)
+    assert wire.ARRAYS in reply.content.array_records and wire.ENCRYPTED_UPDATE not in reply.content.config_records
+
+
+def test_the_server_refuses_a_private_key_file_and_missing_key(key_files, site_side):
+    _, private_path, _ = key_files
+    with pytest.raises(ConfigError, match="paillier-public-key"):
+        encrypted_server(config(key_files, paillier_public_key=""), num_sites=3, num_classes=3)
+    site_side["site"] = True  # let the loader open it, to show it is refused by format
+    with pytest.raises(ConfigError, match="PRIVATE key file"):
+        encrypted_server(config(key_files, paillier_public_key=str(private_path)), num_sites=3, num_classes=3)
+    site_side["site"] = False
+    with pytest.raises(ConfigError, match="2 to 1024 sites per round"):
+        encrypted_server(config(key_files, num_sites=3), num_sites=1, num_classes=3)
+    with pytest.raises(TypeError, match="PUBLIC key only"):
+        SecureAggregation(None, object(), CLIP, timeout=1.0)
+    assert REJECTED_CIPHERTEXT != SITE_KEY_MISSING
+
+
+# --------------------------------------------------------------------------- end to end (Ray)
+
+
+def test_simulation_end_to_end_without_the_server_loading_the_private_key(tmp_path, monkeypatch, key_files):
+    """The ServerApp runs in this process, the sites in Ray workers: with private keys
+    forbidden in this process, the run still aggregates every round."""
+    from fedind.simulation import simulate
+
+    _, private_path, public_path = key_files
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the server process touched a Paillier private key")
+
+    monkeypatch.setattr(crypto, "load_private_key", forbidden)
+    monkeypatch.setattr(crypto.PrivateKey, "__init__", forbidden)
+    cfg = RunConfig(
+        num_server_rounds=2, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
+        model_width=8, device="cpu", strategy="dwa", encryption="paillier", paillier_public_key=str(public_path),
+        paillier_private_key=str(private_path), run_dir=str(tmp_path), run_name="enc",
+    )
+    summary = simulate(cfg)
+    rows = (tmp_path / "enc" / "rounds.csv").read_text().splitlines()[1:]
+    assert summary["rounds"] == 2 and summary["totals"]["failures"] == 0
+    assert all(row.split(",")[5] == "3" for row in rows)  # sites aggregated per round
