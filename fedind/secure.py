@@ -62,7 +62,8 @@ from .crypto import (
 )
 from .metering import site_id_of
 from .strategies import build_strategy
-from .strategy import InvalidReply, _check_histogram
+from .screening import InvalidUpdate as InvalidReply
+from .screening import check_histogram
 
 PRIVATE_KEY_NODE_CONFIG = "paillier-private-key"  # node config: this site's private key file
 REJECTED_CIPHERTEXT = 1002  # Error code of a reply whose encrypted payload was rejected
@@ -312,7 +313,7 @@ class SecureAggregation(Strategy):
             raise InvalidReply(f"{wire.NUM_EXAMPLES} = {n!r}: expected a positive finite number")
         histogram = metrics.get(wire.LABEL_HISTOGRAM)
         if histogram is not None and self.global_histogram is not None:
-            _check_histogram(histogram, self.num_classes, n)
+            check_histogram(histogram, self.num_classes, n)
         return EncryptedReply(
             site_id_of(reply), reply.metadata.src_node_id, float(n),
             None if histogram is None else [int(c) for c in histogram], vector, metrics,

@@ -503,9 +503,6 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-_check_histogram = check_histogram  # older name, kept for importers
-
-
 def _cast_like(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``value`` in the global array's dtype (integer arrays such as counters are rounded)."""
     value = np.asarray(value)
