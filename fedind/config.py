@@ -41,7 +41,7 @@ class RunConfig:
     run_name: str = ""  # empty = <strategy>-<timestamp>
     target_accuracy: float = 0.75  # rounds-to-target is reported for this global accuracy
     local_momentum: float = 0.9  # site SGD momentum (reset every round)
-    logit_adjustment: float = 0.0  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
+    logit_adjustment: float = 1.0  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
     server_learning_rate: float = 1.0  # fedavgm and fedadam only
@@ -57,11 +57,11 @@ class RunConfig:
     server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
-    topk_ratio: float = 0.01  # topk: share of coordinates sent per round
-    topk_quantization: str = "int8"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
+    topk_ratio: float = 0.015  # topk: share of coordinates sent per round
+    topk_quantization: str = "int4"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
     topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
-    topk_residual_decay: float = 1.0  # topk: share of the error-feedback residual carried to the next round
-    topk_warmup_rounds: int = 0  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
+    topk_residual_decay: float = 0.8  # topk: share of the error-feedback residual carried to the next round
+    topk_warmup_rounds: int = 3  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
     encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.secure)
     paillier_public_key: str = ""  # paillier: the server's public key file ("": simulate() makes a throwaway pair)
     paillier_private_key: str = ""  # paillier: the sites' private key file, unless node config paillier-private-key

@@ -63,7 +63,7 @@ def test_without_compression_the_mod_passes_the_reply_through():
 def test_sparse_reply_is_small_and_decodes_to_global_plus_sent_delta():
     g = arrays(0)
     local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
-    msg = instruction(g, compression="topk", topk_ratio=0.01)
+    msg = instruction(g, compression="topk", topk_ratio=0.01, topk_warmup_rounds=0)
     ctx = context()
     reply = topk_mod(msg, ctx, site_training(local))
     assert wire.ARRAYS not in reply.content.array_records
@@ -85,7 +85,7 @@ def test_error_feedback_residual_persists_in_context_state_across_rounds():
     g = arrays(0)
     local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
     ctx = context()
-    msg = instruction(g, compression="topk", topk_ratio=0.01)
+    msg = instruction(g, compression="topk", topk_ratio=0.01, topk_warmup_rounds=0)
     first = decode(from_record(topk_mod(msg, ctx, site_training(local)).content[wire.SPARSE_UPDATE]), expected_of(g))
     residual = {k: v.numpy() for k, v in ctx.state["topk-residuals"].items()}
     # invariant: what was sent + what is kept == the update
