@@ -41,7 +41,7 @@ class RunConfig:
     run_name: str = ""  # empty = <strategy>-<timestamp>
     target_accuracy: float = 0.75  # rounds-to-target is reported for this global accuracy
     local_momentum: float = 0.9  # site SGD momentum (reset every round)
-    logit_adjustment: float = 1.0  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
+    logit_adjustment: float = 0.5  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
     server_learning_rate: float = 1.0  # fedavgm and fedadam only
