@@ -67,11 +67,12 @@ class MeteredGrid(Grid):
             self._traffic.downlink_bytes += payload_bytes(message.content)
         self._traffic.messages_sent += len(messages)
         instructions = {message.metadata.dst_node_id: message for message in messages}
+        by_id = {message.metadata.message_id: message for message in messages if message.metadata.message_id}
         replies, answered = [], set()
         for reply in self._grid.send_and_receive(messages, timeout=timeout):
             # Match by message id (the grid stamps it when pushing): an error reply Flower
             # makes for an unreachable node does not come from that node's id.
-            instruction = _instruction_of(reply, messages)
+            instruction = _instruction_of(reply, by_id, instructions)
             if instruction is not None:
                 answered.add(id(instruction))
             if not reply.has_error():
@@ -83,7 +84,7 @@ class MeteredGrid(Grid):
             replies = self._screen(instructions, replies)
         for reply in replies:
             if reply.has_error():
-                instruction = _instruction_of(reply, messages)
+                instruction = _instruction_of(reply, by_id, instructions)
                 node = instruction.metadata.dst_node_id if instruction is not None else reply.metadata.src_node_id
                 self._traffic.failures.append(f"node {node}: {reply.error.reason}")
             else:
@@ -127,19 +128,12 @@ def site_id_of(reply: Message) -> str:
     return f"node-{reply.metadata.src_node_id}"
 
 
-def _instruction_of(reply: Message, messages: list[Message]) -> Message | None:
-    """The message ``reply`` answers: by message id, else (ids not stamped, as in unit
-    tests with a stand-in grid) by the replying node."""
-    reply_to = reply.metadata.reply_to_message_id
-    for message in messages:
-        if reply_to and message.metadata.message_id == reply_to:
-            return message
-    if any(message.metadata.message_id for message in messages):
-        return None
-    for message in messages:
-        if message.metadata.dst_node_id == reply.metadata.src_node_id:
-            return message
-    return None
+def _instruction_of(reply: Message, by_id: dict[str, Message], by_node: dict[int, Message]) -> Message | None:
+    """The message ``reply`` answers: by message id (the grid stamps it when pushing),
+    else — ids not stamped, as with a stand-in grid in unit tests — by the replying node."""
+    if by_id:
+        return by_id.get(reply.metadata.reply_to_message_id)
+    return by_node.get(reply.metadata.src_node_id)
 
 
 def _reply_order(reply: Message) -> tuple:

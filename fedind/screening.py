@@ -41,11 +41,13 @@ from collections.abc import Mapping, Sequence
 from numbers import Real
 
 import numpy as np
-from flwr.app import Array, Error, Message, MessageType
+from flwr.app import Array, Error, Message, MessageType, MetricRecord
 
 from . import wire
 
-__all__ = ["REJECTED_UPDATE", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update", "norm_outliers"]
+__all__ = [
+    "REJECTED_UPDATE", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update", "norm_outliers", "read_reply",
+]
 
 REJECTED_UPDATE = 1002  # Error code of a train reply the server screened out
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
@@ -128,11 +130,11 @@ def check_histogram(histogram, num_classes: int | None, num_examples: float) -> 
     return [int(c) for c in histogram]
 
 
-def check_update(
-    reply: Message, sent: Mapping[str, np.ndarray], num_classes: int | None = None
-) -> dict[str, np.ndarray]:
-    """The delta ``reply - sent`` (float64 per array) of a structurally valid train reply,
-    or :class:`InvalidUpdate` naming the fault. ``sent``: the global arrays that site got."""
+def read_reply(reply: Message, expected: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], MetricRecord]:
+    """``(arrays, metrics)`` of a train reply with exactly one ArrayRecord holding the
+    names, shapes and dtypes of ``expected`` (finite values only) and exactly one
+    MetricRecord; :class:`InvalidUpdate` naming the fault otherwise. The metrics are not
+    checked here: callers apply their own rules."""
     content = reply.content
     if len(content.array_records) != 1:
         raise InvalidUpdate(f"expected exactly one ArrayRecord, got {len(content.array_records)}")
@@ -140,13 +142,20 @@ def check_update(
         raise InvalidUpdate(f"expected exactly one MetricRecord, got {len(content.metric_records)}")
     record = next(iter(content.array_records.values()))
     metrics = next(iter(content.metric_records.values()))
-    missing, extra = sorted(set(sent) - set(record)), sorted(set(record) - set(sent))
+    missing, extra = sorted(set(expected) - set(record)), sorted(set(record) - set(expected))
     if missing or extra:
         raise InvalidUpdate(f"arrays differ from the global model: missing {missing}, unexpected {extra}")
-    delta = {}
-    for name, base in sent.items():
-        value = check_array(name, record[name], base.shape, base.dtype)
-        delta[name] = value.astype(np.float64) - base.astype(np.float64)
+    arrays = {name: check_array(name, record[name], base.shape, base.dtype) for name, base in expected.items()}
+    return arrays, metrics
+
+
+def check_update(
+    reply: Message, sent: Mapping[str, np.ndarray], num_classes: int | None = None
+) -> dict[str, np.ndarray]:
+    """The delta ``reply - sent`` (float64 per array) of a structurally valid train reply,
+    or :class:`InvalidUpdate` naming the fault. ``sent``: the global arrays that site got."""
+    arrays, metrics = read_reply(reply, sent)
+    delta = {name: arrays[name].astype(np.float64) - base.astype(np.float64) for name, base in sent.items()}
 
     n = metrics.get(wire.NUM_EXAMPLES)
     if n is None:
@@ -188,13 +197,17 @@ class UpdateScreen:
     def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
         out = list(replies)
         valid: list[tuple[int, float]] = []  # (position in out, update norm)
+        decoded: dict[int, dict[str, np.ndarray]] = {}  # the sites share one global ArrayRecord
         for i, reply in enumerate(out):
             instruction = instructions.get(reply.metadata.src_node_id)
             if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
                 continue
             if wire.ARRAYS not in instruction.content.array_records:
                 continue
-            sent = {name: a.numpy() for name, a in instruction.content[wire.ARRAYS].items()}
+            record = instruction.content[wire.ARRAYS]
+            if id(record) not in decoded:
+                decoded[id(record)] = {name: a.numpy() for name, a in record.items()}
+            sent = decoded[id(record)]
             try:
                 delta = check_update(reply, sent, self.num_classes)
             except InvalidUpdate as err:

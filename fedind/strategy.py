@@ -39,7 +39,7 @@ from flwr.serverapp.strategy import FedAvg
 from . import wire
 from .metering import site_id_of
 from .screening import InvalidUpdate as InvalidReply  # one exception for "do not aggregate this reply"
-from .screening import check_array, check_histogram
+from .screening import check_histogram, read_reply
 from .aggregation import (
     GlobalHistogram,
     MomentumBuffer,
@@ -312,21 +312,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         ``num-examples`` is a positive finite number; and, if it has a ``label-histogram``,
         that is a list of ``num_classes`` non-negative ints summing to ``num-examples``.
         """
-        content = reply.content
-        if len(content.array_records) != 1:
-            raise InvalidReply(f"expected exactly one ArrayRecord, got {len(content.array_records)}")
-        if len(content.metric_records) != 1:
-            raise InvalidReply(f"expected exactly one MetricRecord, got {len(content.metric_records)}")
-        record = next(iter(content.array_records.values()))
-        metrics = next(iter(content.metric_records.values()))
-
-        missing, extra = sorted(set(current) - set(record)), sorted(set(record) - set(current))
-        if missing or extra:
-            raise InvalidReply(f"arrays differ from the global model: missing {missing}, unexpected {extra}")
-        arrays = {}
-        for name, expected in current.items():
-            arrays[name] = check_array(name, record[name], expected.shape, expected.dtype)
-
+        arrays, metrics = read_reply(reply, current)
         n = metrics.get(wire.NUM_EXAMPLES)
         if n is None:
             raise InvalidReply(f"no {wire.NUM_EXAMPLES!r} metric")
