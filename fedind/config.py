@@ -15,7 +15,7 @@ from typing import Any
 
 from .data.federation import FederationSpec
 
-STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "dwa")
+STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "dwa")
 COMPRESSIONS = ("none", "topk")
 ENCRYPTIONS = ("none", "paillier")
 
@@ -48,6 +48,8 @@ class RunConfig:
     server_momentum: float = 0.9  # fedavgm only
     fedadam_eta: float = 0.01  # fedadam server learning rate
     fedadam_tau: float = 0.001  # fedadam adaptivity (larger = closer to FedAvgM)
+    trimmed_beta: float = 0.2  # fedtrimmedavg: share of the lowest and of the highest values cut per coordinate
+    krum_malicious: int = 1  # krum: number of malicious sites it assumes per round
     dwa_weighting: bool = True  # dwa: weight sites by n_i * exp(-KL(P_i || P_global) / T)
     dwa_temperature: float = 3.0  # dwa: T; larger = closer to FedAvg weights
     dwa_floor: float = 0.1  # dwa: every site keeps at least this share of its FedAvg weight
@@ -92,6 +94,8 @@ class RunConfig:
             "server-momentum": 0 <= self.server_momentum < 1,
             "fedadam-eta": self.fedadam_eta > 0,
             "fedadam-tau": self.fedadam_tau > 0,
+            "trimmed-beta": 0 <= self.trimmed_beta < 0.5,
+            "krum-malicious": self.krum_malicious >= 0,
             "dwa-temperature": self.dwa_temperature > 0,
             "dwa-floor": 0 <= self.dwa_floor <= 1,
             "conflict-threshold": 0 <= self.conflict_threshold <= 1,
@@ -122,6 +126,11 @@ class RunConfig:
     def _check_encryption(self) -> None:
         """Features that need each site's plaintext update cannot run under encryption: say so."""
         why = "with encryption = 'paillier' the server only ever sees the sum of the sites' updates"
+        if self.strategy in ("fedmedian", "fedtrimmedavg", "krum"):
+            raise ConfigError(
+                f"Invalid run config strategy = {self.strategy!r}: {why}, and a robust aggregator needs "
+                f"every site's update; use fedavg, fedprox, fedavgm, fedadam or dwa"
+            )
         if self.compression != "none":
             raise ConfigError(
                 f"Invalid run config compression = {self.compression!r}: {why}, and top-k updates of "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flwr.app import MetricRecord, RecordDict
-from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, Strategy
+from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, Krum, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from .config import RunConfig
@@ -39,6 +39,13 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
         )
     if config.strategy == "fedadam":
         return FedAdam(eta=config.fedadam_eta, eta_l=config.learning_rate, tau=config.fedadam_tau, **common)
+    # Flower's robust aggregators (compared under attack in simulations/poisoning.py).
+    if config.strategy == "fedmedian":
+        return FedMedian(**common)
+    if config.strategy == "fedtrimmedavg":
+        return FedTrimmedAvg(beta=config.trimmed_beta, **common)
+    if config.strategy == "krum":
+        return Krum(num_malicious_nodes=config.krum_malicious, **common)
     if config.strategy == "dwa":
         return DWA(
             weighting=config.dwa_weighting,
