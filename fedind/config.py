@@ -71,6 +71,11 @@ class RunConfig:
     paillier_key_bits: int = 2048  # paillier: size of the throwaway key pair that simulate() generates
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
+    min_sites: int = 1  # a round with fewer successful site updates leaves the global model unchanged
+    checkpoint_interval: int = 1  # save a verified server checkpoint every this many rounds (0 = by time only)
+    checkpoint_seconds: float = 0.0  # also save when this many seconds passed since the last one (0 = off)
+    checkpoint_keep: int = 3  # newest checkpoints kept in run-dir/<run-name>/checkpoints/
+    resume: bool = False  # continue run-dir/<run-name> (newest run there if run-name is empty) from its newest valid checkpoint
     metrics_port: int = 0  # Prometheus /metrics of the server during a run (0 = off; fedind.monitoring)
     metrics_address: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = every interface)
 
@@ -112,6 +117,10 @@ class RunConfig:
             "paillier-key-bits": self.paillier_key_bits >= 512 and self.paillier_key_bits % 64 == 0,
             "device": self.device in ("auto", "cpu", "cuda"),
             "round-timeout": self.round_timeout > 0,
+            "min-sites": self.min_sites >= 1,
+            "checkpoint-interval": self.checkpoint_interval >= 0,
+            "checkpoint-seconds": math.isfinite(self.checkpoint_seconds) and self.checkpoint_seconds >= 0,
+            "checkpoint-keep": self.checkpoint_keep >= 1,
             "metrics-port": 0 <= self.metrics_port <= 65535,
             "metrics-address": bool(self.metrics_address.strip()),
         }

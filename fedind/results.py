@@ -62,24 +62,29 @@ def save_model(path: Path, state: Mapping[str, np.ndarray], metadata: Mapping[st
     return digest
 
 
+def _csv_values(row: RoundRow) -> list:
+    values = asdict(row)
+    return [f"{values[k]:.6f}" if isinstance(values[k], float) else values[k] for k in ROUND_FIELDS]
+
+
 class RunRecorder:
     """Appends one row per round (flushed, so a crash keeps every finished round)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, rows: list[RoundRow] = (), initial_accuracy: float | None = None) -> None:
+        """Start rounds.csv afresh, with ``rows`` (a resumed run's rounds up to its checkpoint)."""
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        self.rows: list[RoundRow] = []
-        self.initial_accuracy: float | None = None  # of the untrained model, for the plot
+        self.rows: list[RoundRow] = list(rows)
+        self.initial_accuracy = initial_accuracy  # of the untrained model, for the plot
         with open(folder / "rounds.csv", "w", newline="") as f:
-            csv.writer(f).writerow(ROUND_FIELDS)
+            writer = csv.writer(f)
+            writer.writerow(ROUND_FIELDS)
+            writer.writerows(_csv_values(row) for row in self.rows)
 
     def add(self, row: RoundRow) -> None:
         self.rows.append(row)
         with open(self.folder / "rounds.csv", "a", newline="") as f:
-            values = asdict(row)
-            csv.writer(f).writerow(
-                [f"{values[k]:.6f}" if isinstance(values[k], float) else values[k] for k in ROUND_FIELDS]
-            )
+            csv.writer(f).writerow(_csv_values(row))
 
     def write_summary(self, summary: Mapping) -> Path:
         path = self.folder / "summary.json"

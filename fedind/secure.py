@@ -61,7 +61,7 @@ from .crypto import (
     weighted_sum,
 )
 from .metering import site_id_of
-from .strategies import build_strategy
+from .strategies import build_strategy, load_strategy_state, strategy_state
 from .screening import InvalidUpdate as InvalidReply
 from .screening import check_histogram
 
@@ -385,10 +385,9 @@ class SecureAggregation(Strategy):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        inner = getattr(self.strategy, "state_dict", None)
         return {
             "global_histogram": None if self.global_histogram is None else self.global_histogram.state_dict(),
-            "strategy": inner() if callable(inner) else None,
+            "strategy": strategy_state(self.strategy),  # e.g. FedAvgM's momentum, DWA's buffers
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -396,8 +395,7 @@ class SecureAggregation(Strategy):
             raise ValueError("Invalid SecureAggregation state: expected keys ['global_histogram', 'strategy']")
         if (state["global_histogram"] is None) != (self.global_histogram is None):
             raise ValueError("Invalid SecureAggregation state: global histogram does not match the weighting")
-        if state["strategy"] is not None:
-            self.strategy.load_state_dict(state["strategy"])
+        load_strategy_state(self.strategy, state["strategy"])
         if self.global_histogram is not None:
             self.global_histogram.load_state_dict(state["global_histogram"])
 

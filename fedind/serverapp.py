@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import asdict
 from logging import INFO, WARNING
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from . import wire
+from .checkpoint import Checkpoint, CheckpointStore
 from .config import ConfigError, RunConfig
 from .data.format import SiteArrays
 from .data.sources import check_data_root, global_test_set
@@ -24,7 +26,8 @@ from .monitoring import RunMonitor, code_version
 from .models import FaultCNN
 from .screening import UpdateScreen
 from .results import RoundRow, RunRecorder, package_versions, rounds_to_target, save_model
-from .strategies import build_strategy
+from .rounds import run_rounds
+from .strategies import build_strategy, load_strategy_state, strategy_state
 from .training import evaluate, pick_device
 from .secure import encrypted_server
 from .transport import densify_reply
@@ -65,22 +68,33 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     node_ids = wait_for_sites(grid, num_sites, timeout=60.0)
     device = pick_device(config.device)
     torch.manual_seed(config.seed)
+    random.seed(config.seed)  # Flower's strategies sample sites with `random`
     model = FaultCNN(in_channels=channels, num_classes=num_classes, width=config.model_width)
     initial = ArrayRecord(model.state_dict())
-    folder = Path(config.run_dir).resolve() / (config.run_name or f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
-    recorder = RunRecorder(folder)
-    monitor = RunMonitor.start(config, folder.name, num_sites)  # Prometheus, if metrics-port > 0
+    folder = run_folder(config)
+    store = CheckpointStore(folder / "checkpoints", keep=config.checkpoint_keep)
+    checkpoint = resume_point(store, config) if config.resume else None
     if config.encryption == "paillier":  # the server holds the public key only (fedind.secure)
         strategy, transform = encrypted_server(config, num_sites, num_classes)
     else:
         strategy, transform = build_strategy(config, num_sites, num_classes), densify_reply
+    saved = checkpoint.state if checkpoint else {}
+    recorder = RunRecorder(
+        folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")
+    )
+    monitor = RunMonitor.start(config, folder.name, num_sites)  # Prometheus, if metrics-port > 0
     # Plaintext updates are screened before the strategy sees them (fedind.screening);
     # under encryption there is nothing the server could read to screen.
     screen = UpdateScreen(num_classes) if config.encryption == "none" else None
     metered = MeteredGrid(grid, transform=transform, screen=screen)
-    clock = {"round": time.monotonic()}
-    site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0}
+    clock = {"round": time.monotonic(), "checkpoint": time.monotonic()}
+    site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0, **saved.get("site_cpu", {})}
     run_config_json = json.dumps(config.to_flower())
+    arrays, first_round = initial, 1
+    if checkpoint is not None:
+        arrays, first_round = restore_server(checkpoint, strategy), checkpoint.round + 1
+        log(INFO, "resuming run %s at round %d from %s", folder.name, first_round, checkpoint.path)
+    started = time.monotonic() - float(saved.get("elapsed_seconds", 0.0))
 
     def evaluate_round(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         accuracy, loss = _score(arrays, test_set, device)
@@ -107,23 +121,102 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         clock["round"] = time.monotonic()
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    started = time.monotonic()
-    result = strategy.start(
-        grid=metered,
-        initial_arrays=initial,
+    def checkpoint_round(server_round: int, arrays: ArrayRecord) -> None:
+        due = (config.checkpoint_interval and server_round % config.checkpoint_interval == 0) or (
+            config.checkpoint_seconds and time.monotonic() - clock["checkpoint"] >= config.checkpoint_seconds
+        )
+        if not (due or server_round == config.num_server_rounds):
+            return
+        state = {
+            "run_config": config.to_flower(),
+            "model_keys": list(arrays.keys()),
+            "strategy": strategy_state(strategy),
+            "rng": {"python": list(random.getstate()), "torch": torch.get_rng_state().numpy()},
+            "rows": [asdict(row) for row in recorder.rows],
+            "initial_accuracy": recorder.initial_accuracy,
+            "site_cpu": dict(site_cpu),
+            "elapsed_seconds": time.monotonic() - started,
+        }
+        path = store.save(server_round, {name: array.numpy() for name, array in arrays.items()}, state)
+        clock["checkpoint"] = time.monotonic()
+        log(INFO, "checkpoint of round %d saved to %s", server_round, path)
+
+    final = run_rounds(
+        strategy,
+        metered,
+        arrays,
+        first_round=first_round,
         num_rounds=config.num_server_rounds,
         timeout=config.round_timeout,
         train_config=ConfigRecord({wire.RUN_CONFIG: run_config_json}),
         evaluate_fn=evaluate_round,
+        min_sites=config.min_sites,
+        after_round=checkpoint_round if (config.checkpoint_interval or config.checkpoint_seconds) else None,
     )
-    per_site = evaluate_at_sites(metered, node_ids, result.arrays, run_config_json, config.round_timeout)
-    summary = _finish(config, recorder, result.arrays, per_site, time.monotonic() - started, num_sites, site_cpu)
+    per_site = evaluate_at_sites(metered, node_ids, final, run_config_json, config.round_timeout)
+    summary = _finish(config, recorder, final, per_site, time.monotonic() - started, num_sites, site_cpu)
     monitor.finish()
     monitor.close()
     log(INFO, "%s", format_summary(summary, folder))
     if not any(row.sites for row in recorder.rows):
         raise RuntimeError("no site update was aggregated in any round; see the failures logged above")
     return summary
+
+
+# ---------------------------------------------------------------------- resume
+
+# Run-config keys a resumed run may change; any other difference is refused (it would not
+# be the same run). A different num-server-rounds extends or shortens the run (the sites'
+# cosine learning rate then follows the new length).
+RESUMABLE_CHANGES = frozenset(
+    {
+        "resume", "run-name", "run-dir", "num-server-rounds", "round-timeout", "min-sites", "device",
+        "checkpoint-interval", "checkpoint-seconds", "checkpoint-keep", "metrics-port", "metrics-address",
+        "paillier-public-key", "paillier-private-key",
+    }
+)
+
+
+def run_folder(config: RunConfig) -> Path:
+    """run-dir/run-name; with ``resume`` and no run-name, the run there whose checkpoint is newest."""
+    root = Path(config.run_dir).resolve()
+    if config.run_name:
+        return root / config.run_name
+    if config.resume:
+        runs = [c.parent for c in root.glob("*/checkpoints") if c.is_dir()]
+        if runs:
+            return max(runs, key=lambda run: (run / "checkpoints").stat().st_mtime)
+    return root / f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resume_point(store: CheckpointStore, config: RunConfig) -> Checkpoint | None:
+    """The newest checkpoint that verifies and belongs to this run config (ConfigError if it
+    does not); None, logged, when there is none: the run starts at round 1."""
+    checkpoint = store.load_latest()
+    if checkpoint is None:
+        log(WARNING, "resume: no valid checkpoint in %s; starting at round 1", store.folder)
+        return None
+    saved = checkpoint.state.get("run_config", {})
+    current = config.to_flower()
+    changed = sorted(k for k in set(saved) | set(current) if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k))
+    if changed:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+        raise ConfigError(f"cannot resume {checkpoint.path}: the run config differs ({details})")
+    return checkpoint
+
+
+def restore_server(checkpoint: Checkpoint, strategy) -> ArrayRecord:
+    """Put the strategy and the server's random generators back as they were after
+    ``checkpoint.round``; return the global arrays, in the model's key order."""
+    state = checkpoint.state
+    keys = state["model_keys"]
+    if sorted(keys) != sorted(checkpoint.arrays):
+        raise ConfigError(f"cannot resume {checkpoint.path}: model_keys do not match model.safetensors")
+    load_strategy_state(strategy, state["strategy"])
+    version, internal, gauss = state["rng"]["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(torch.from_numpy(np.asarray(state["rng"]["torch"], dtype=np.uint8)))
+    return ArrayRecord({name: Array(checkpoint.arrays[name]) for name in keys})
 
 
 def _score(arrays: ArrayRecord, test_set: SiteArrays | None, device: torch.device) -> tuple[float, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from flwr.app import MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, Krum, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
@@ -76,3 +77,34 @@ def average_scalar_metrics(records: list[RecordDict], weight_key: str) -> Metric
         for record in records
     ]
     return aggregate_metricrecords(scalar, weight_key)
+
+
+# ---------------------------------------------------------------------- checkpoint state
+# What a strategy carries from round to round, beyond the global arrays (which the server
+# checkpoints itself and hands back to configure_train on resume).
+
+
+def strategy_state(strategy: Strategy) -> dict:
+    """The strategy's cross-round state as JSON values and numpy arrays."""
+    if callable(getattr(strategy, "state_dict", None)):  # fedind's dwa and SecureAggregation
+        return {"state_dict": strategy.state_dict()}
+    if isinstance(strategy, FedAvgM):  # server momentum, a list aligned with the arrays
+        return {"momentum_vector": strategy.momentum_vector}
+    if isinstance(strategy, FedAdam):  # first and second moments
+        return {"m_t": strategy.m_t, "v_t": strategy.v_t}
+    return {}  # fedavg, fedprox, fedmedian, fedtrimmedavg, krum: stateless between rounds
+
+
+def load_strategy_state(strategy: Strategy, state: dict) -> None:
+    """Restore :func:`strategy_state`; ValueError when it does not fit this strategy."""
+    expected = set(strategy_state(strategy))
+    if set(state) != expected:
+        raise ValueError(f"checkpointed strategy state has {sorted(state)}, this strategy needs {sorted(expected)}")
+    if "state_dict" in state:
+        strategy.load_state_dict(state["state_dict"])
+    elif isinstance(strategy, FedAvgM):
+        vector = state["momentum_vector"]
+        strategy.momentum_vector = None if vector is None else [np.asarray(v) for v in vector]
+    elif isinstance(strategy, FedAdam):
+        strategy.m_t = None if state["m_t"] is None else {k: np.asarray(v) for k, v in state["m_t"].items()}
+        strategy.v_t = None if state["v_t"] is None else {k: np.asarray(v) for k, v in state["v_t"].items()}

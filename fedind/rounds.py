@@ -1,0 +1,68 @@
+"""The round loop: Flower's ``Strategy.start``, able to begin at any round.
+
+Flower 1.42's ``Strategy.start`` always counts rounds from 1, so a run resumed from a
+checkpoint could not tell the strategy (FedAdam's bias correction) or the sites (cosine
+learning rate, top-k warm-up) which round it is. This loop makes the same calls in the same
+order (configure_train, send_and_receive, aggregate_train, configure_evaluate,
+send_and_receive, aggregate_evaluate, evaluate_fn), starting at ``first_round``, and adds two
+things a plant needs: a round with fewer than ``min_sites`` successful replies leaves the
+global model unchanged, and ``after_round`` runs after every round (the checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from logging import INFO, WARNING
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+
+def run_rounds(
+    strategy: Strategy,
+    grid: Grid,
+    arrays: ArrayRecord,
+    *,
+    first_round: int,
+    num_rounds: int,
+    timeout: float,
+    train_config: ConfigRecord,
+    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None],
+    min_sites: int = 1,
+    after_round: Callable[[int, ArrayRecord], None] | None = None,
+) -> ArrayRecord:
+    """Run rounds ``first_round .. num_rounds`` from global ``arrays``; return the final arrays.
+
+    ``evaluate_fn(0, arrays)`` scores the starting model only when ``first_round == 1``
+    (a resumed run scored it before the crash)."""
+    log(INFO, "Starting %s strategy at round %d of %d", type(strategy).__name__, first_round, num_rounds)
+    strategy.summary()
+    if first_round == 1:
+        evaluate_fn(0, arrays)
+    for server_round in range(first_round, num_rounds + 1):
+        log(INFO, "")
+        log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+        replies = list(
+            grid.send_and_receive(strategy.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
+        )
+        arrived = sum(not reply.has_error() for reply in replies)
+        if arrived < min_sites:
+            log(
+                WARNING,
+                "round %d: %d site update(s) arrived, fewer than min-sites = %d; the global model is unchanged",
+                server_round, arrived, min_sites,
+            )
+        else:
+            new_arrays, _ = strategy.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = new_arrays
+        evaluate_replies = grid.send_and_receive(
+            strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
+        )
+        strategy.aggregate_evaluate(server_round, evaluate_replies)
+        evaluate_fn(server_round, arrays)
+        if after_round is not None:
+            after_round(server_round, arrays)
+    return arrays
