@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +80,9 @@ def train_local(
     weight_decay: float = 1e-4,
     proximal_mu: float = 0.0,
     logit_adjustment: torch.Tensor | None = None,
+    replay: SiteArrays | None = None,
+    replay_ratio: float = 0.0,
+    penalty: Callable[[nn.Module], torch.Tensor] | None = None,
 ) -> TrainResult:
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
 
@@ -87,10 +91,37 @@ def train_local(
 
     ``proximal_mu > 0`` adds FedProx's ``mu/2 * ||w - w_global||^2`` to the loss, with
     ``w_global`` the weights the model had on entry.
+
+    ``replay`` (e.g. ``ReplayBuffer.arrays()``) with ``replay_ratio = r > 0``: every batch of
+    ``b`` new examples is extended by ``round(r * b)`` examples drawn uniformly, with
+    replacement, from ``replay`` (a generator of its own, seeded from ``seed``: the order of
+    the new data is the same as without replay); the loss is the mean over both, the logit
+    adjustment applied to both. An empty ``replay`` (a buffer before its first admission)
+    mixes nothing.
+
+    ``penalty(model)`` (e.g. :class:`fedind.ewc.EWCPenalty`) is added to the loss of every
+    step, outside autocast.
+
+    With the defaults the steps are exactly those of plain training.
     """
+    if isinstance(replay_ratio, bool) or not (isinstance(replay_ratio, (int, float)) and 0 <= replay_ratio < math.inf):
+        raise ValueError(f"Invalid replay_ratio value: {replay_ratio!r} (expected a finite number >= 0)")
+    if (replay is None) != (replay_ratio == 0):
+        raise ValueError(
+            f"replay and replay_ratio go together: got replay={'None' if replay is None else 'arrays'}, "
+            f"replay_ratio={replay_ratio}"
+        )
+    if replay is not None and replay.num_examples and replay.sample_shape != data.sample_shape:
+        raise ValueError(f"replay windows {replay.sample_shape} differ from the data's {data.sample_shape}")
     model.to(device).train()
     x = torch.from_numpy(data.x).to(device)
     y = torch.from_numpy(data.y).to(device)
+    mix = replay is not None and replay.num_examples > 0
+    if mix:
+        x_mem = torch.from_numpy(replay.x).to(device)
+        y_mem = torch.from_numpy(replay.y).to(device)
+        replay_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
+        replay_generator = torch.Generator().manual_seed(replay_seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
@@ -101,20 +132,44 @@ def train_local(
         order = torch.randperm(len(y), generator=generator).to(device)
         for start in range(0, len(y), batch_size):
             batch = order[start : start + batch_size]
+            xb, yb = x[batch], y[batch]
+            if mix:
+                pick = torch.randint(len(y_mem), (round(replay_ratio * len(batch)),), generator=replay_generator)
+                pick = pick.to(device)
+                xb, yb = torch.cat([xb, x_mem[pick]]), torch.cat([yb, y_mem[pick]])
             with _autocast(device):
-                logits = model(x[batch])
+                logits = model(xb)
                 if adjust is not None:
                     logits = logits + adjust
-                loss = loss_fn(logits, y[batch])
+                loss = loss_fn(logits, yb)
             if anchor is not None:
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
                 loss = loss + 0.5 * proximal_mu * prox
+            if penalty is not None:
+                loss = loss + penalty(model)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             total += float(loss.detach())
             steps += 1
     return TrainResult(loss=total / max(steps, 1), steps=steps)
+
+
+@torch.no_grad()
+def sample_losses(model: nn.Module, data: SiteArrays, device: torch.device, batch_size: int = 512) -> np.ndarray:
+    """Cross-entropy of each example under ``model`` (float32 ``[N]``, plain logits, eval
+    mode, left in eval mode): the importance score a :class:`fedind.replay.ReplayBuffer`
+    admits by."""
+    model.to(device).eval()
+    out = np.empty(data.num_examples, dtype=np.float32)
+    for start in range(0, data.num_examples, batch_size):
+        x = torch.from_numpy(data.x[start : start + batch_size]).to(device)
+        y = torch.from_numpy(data.y[start : start + batch_size]).to(device)
+        with _autocast(device):
+            logits = model(x)
+        losses = nn.functional.cross_entropy(logits.float(), y, reduction="none")
+        out[start : start + len(y)] = losses.cpu().numpy()
+    return out
 
 
 @dataclass(frozen=True)
