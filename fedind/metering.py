@@ -67,9 +67,12 @@ class MeteredGrid(Grid):
             self._traffic.downlink_bytes += payload_bytes(message.content)
         self._traffic.messages_sent += len(messages)
         instructions = {message.metadata.dst_node_id: message for message in messages}
+        received = list(self._grid.send_and_receive(messages, timeout=timeout))
+        # The grid stamps the message ids when it pushes, inside send_and_receive: only now
+        # can replies be matched by id.
         by_id = {message.metadata.message_id: message for message in messages if message.metadata.message_id}
         replies, answered = [], set()
-        for reply in self._grid.send_and_receive(messages, timeout=timeout):
+        for reply in received:
             # Match by message id (the grid stamps it when pushing): an error reply Flower
             # makes for an unreachable node does not come from that node's id.
             instruction = _instruction_of(reply, by_id, instructions)
