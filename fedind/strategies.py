@@ -25,8 +25,10 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
         train_metrics_aggr_fn=average_scalar_metrics,
         fraction_train=config.fraction_train,
         fraction_evaluate=0.0,
-        min_train_nodes=max(1, round(config.fraction_train * num_sites)),
-        min_available_nodes=num_sites,
+        # A round starts with the sites connected (at least min-sites; the server waited for
+        # all before round 1): a site that stays down must not stall the run.
+        min_train_nodes=config.min_sites,
+        min_available_nodes=config.min_sites,
     )
     if config.strategy == "fedavg":
         return FedAvg(**common)

@@ -501,7 +501,7 @@ def test_build_strategy_makes_dwa_from_the_run_config():
     assert isinstance(strategy, DWA)
     assert (strategy.weighting, strategy.temperature, strategy.floor) == (False, 2.0, 0.3)
     assert (strategy.conflict_buffer, strategy.threshold, strategy.momentum) == (False, 0.4, 0.5)
-    assert strategy.num_classes == 7 and strategy.min_available_nodes == 4
+    assert strategy.num_classes == 7 and strategy.min_available_nodes == 1
 
 
 def test_summary_logs_the_settings(flwr_log):
