@@ -6,7 +6,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 
 from fedind import wire
 from fedind.metering import MeteredGrid
-from fedind.screening import REJECTED_UPDATE, UpdateScreen, norm_outliers
+from fedind.screening import REJECTED_UPDATE, UpdateScreen, clip_factors, norm_outliers
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -159,3 +159,62 @@ def test_the_metered_grid_counts_screened_replies_as_failures():
     assert [r.has_error() for r in out] == [False, False, False, True]
     assert len(traffic.replies) == 3 and len(traffic.failures) == 1
     assert traffic.failures[0].startswith("node 4: rejected update:")
+
+
+# --------------------------------------------------------------------------- the norm clip
+
+
+def test_clip_factors_scale_long_updates_to_the_ratio_times_the_median():
+    # median 2.5, bound 2 x 2.5 = 5: only the 10 is scaled, to 5.
+    np.testing.assert_allclose(clip_factors([1.0, 2.0, 3.0, 10.0], 2.0), [1.0, 1.0, 1.0, 0.5])
+    np.testing.assert_allclose(clip_factors([0.0, 1.0, 4.0], 1.0), [1.0, 1.0, 0.25])
+    assert clip_factors([], 1.0).shape == (0,)
+
+
+@pytest.mark.parametrize("norms, ratio", [([1.0], 0.0), ([1.0], float("inf")), ([1.0, -1.0], 1.0), ([[1.0]], 1.0)])
+def test_invalid_clip_arguments_are_rejected(norms, ratio):
+    with pytest.raises(ValueError, match="Invalid"):
+        clip_factors(norms, ratio)
+
+
+def _delta_norm(msg: Message) -> float:
+    arrays = msg.content[wire.ARRAYS]
+    return float(np.sqrt(sum(np.sum((arrays[k].numpy().astype(np.float64) - v) ** 2) for k, v in GLOBAL.items())))
+
+
+def _boosted_round(clip_ratio):
+    """Six sites; the last sends its update boosted 4x (under the 10x floor of the norm rule)."""
+    instructions = {node: instruction(node) for node in range(1, 7)}
+    replies = [reply(instructions[n], honest(n)) for n in range(1, 6)]
+    boosted = {k: (v + 4 * (honest(6)[k] - v)).astype(v.dtype) for k, v in GLOBAL.items()}
+    replies.append(reply(instructions[6], boosted))
+    return replies, UpdateScreen(num_classes=3, clip_ratio=clip_ratio)(instructions, replies)
+
+
+def test_the_clip_scales_an_accepted_long_update_down_to_the_ratio_times_the_median():
+    replies, out = _boosted_round(clip_ratio=1.5)
+    assert not any(r.has_error() for r in out)
+    median = float(np.median([_delta_norm(r) for r in replies]))
+    assert _delta_norm(out[-1]) == pytest.approx(1.5 * median, rel=1e-5)
+    # Same direction, same metrics; honest sites under the bound pass as they came.
+    before = replies[-1].content[wire.ARRAYS]["conv.weight"].numpy() - GLOBAL["conv.weight"]
+    after = out[-1].content[wire.ARRAYS]["conv.weight"].numpy() - GLOBAL["conv.weight"]
+    np.testing.assert_allclose(after, before * (1.5 * median / _delta_norm(replies[-1])), rtol=1e-4, atol=1e-7)
+    assert out[-1].content[wire.METRICS][wire.NUM_EXAMPLES] == 10
+    assert out[-1].metadata.src_node_id == replies[-1].metadata.src_node_id
+    shorter = [i for i, r in enumerate(replies) if _delta_norm(r) <= 1.5 * median]
+    assert shorter and all(out[i] is replies[i] for i in shorter)
+
+
+def test_without_a_clip_ratio_accepted_updates_are_untouched():
+    replies, out = _boosted_round(clip_ratio=None)
+    assert all(o is r for o, r in zip(out, replies))
+
+
+def test_rejected_updates_stay_rejected_under_the_clip():
+    instructions = {node: instruction(node) for node in range(1, 7)}
+    replies = [reply(instructions[n], honest(n)) for n in range(1, 6)]
+    replies.append(reply(instructions[6], BAD_UPDATES["scaled 1e6x"][0]))
+    out = UpdateScreen(num_classes=3, clip_ratio=1.0)(instructions, replies)
+    assert out[-1].has_error() and "outlier" in out[-1].error.reason
+

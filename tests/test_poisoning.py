@@ -1,0 +1,117 @@
+"""The poisoning benchmark's attacker (simulations/poisoning.py): its maths and its mod."""
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+
+from fedind import wire
+from simulations.poisoning import Attack, PoisonMod, poison
+
+SENT = {"conv.weight": np.full((2, 3), 1.0, np.float32), "head.bias": np.array([0.5, -0.5], np.float32)}
+TRAINED = {"conv.weight": np.full((2, 3), 1.25, np.float32), "head.bias": np.array([0.25, 0.0], np.float32)}
+
+
+def test_scale_boosts_the_update():
+    out = poison(SENT, TRAINED, Attack("scale", 10))
+    np.testing.assert_allclose(out["conv.weight"], np.full((2, 3), 1.0 + 10 * 0.25))
+    np.testing.assert_allclose(out["head.bias"], [0.5 + 10 * -0.25, -0.5 + 10 * 0.5])
+    assert all(out[k].dtype == np.float32 for k in out)
+
+
+def test_signflip_reverses_and_scales_the_update():
+    out = poison(SENT, TRAINED, Attack("signflip", 4))
+    np.testing.assert_allclose(out["conv.weight"], np.full((2, 3), 1.0 - 4 * 0.25))
+    np.testing.assert_allclose(out["head.bias"], [0.5 + 4 * 0.25, -0.5 - 4 * 0.5])
+
+
+def test_scale_one_is_the_honest_update_and_signflip_one_its_mirror():
+    same = poison(SENT, TRAINED, Attack("scale", 1))
+    mirror = poison(SENT, TRAINED, Attack("signflip", 1))
+    for k in SENT:
+        np.testing.assert_array_equal(same[k], TRAINED[k])
+        np.testing.assert_allclose(mirror[k] - SENT[k], -(TRAINED[k] - SENT[k]))
+
+
+def test_non_float_arrays_and_inputs_are_untouched():
+    sent = {**SENT, "steps": np.array([3], np.int64)}
+    trained = {**TRAINED, "steps": np.array([7], np.int64)}
+    before = {k: v.copy() for k, v in trained.items()}
+    out = poison(sent, trained, Attack("scale", 100))
+    np.testing.assert_array_equal(out["steps"], [7])
+    for k in trained:
+        np.testing.assert_array_equal(trained[k], before[k])
+
+
+def test_mismatched_arrays_are_refused():
+    with pytest.raises(ValueError, match="arrays differ"):
+        poison(SENT, {"conv.weight": TRAINED["conv.weight"]}, Attack("scale", 2))
+
+
+@pytest.mark.parametrize("text, attack", [("scale10", Attack("scale", 10)), ("signflip4", Attack("signflip", 4)),
+                                          ("scale2.5", Attack("scale", 2.5))])
+def test_attack_names_round_trip(text, attack):
+    assert Attack.parse(text) == attack and attack.name == text
+
+
+@pytest.mark.parametrize("text", ["flip4", "scale", "scale-1", "signflip0"])
+def test_invalid_attacks_are_refused(text):
+    with pytest.raises(ValueError, match="Invalid"):
+        Attack.parse(text)
+
+
+# --------------------------------------------------------------------------- the mod
+
+
+def _instruction(message_type: str = MessageType.TRAIN) -> Message:
+    arrays = ArrayRecord({k: Array(v) for k, v in SENT.items()})
+    content = RecordDict({wire.ARRAYS: arrays, wire.CONFIG: ConfigRecord({})})
+    return Message(content, message_type=message_type, dst_node_id=1)
+
+
+def _honest_site(msg: Message, context: Context) -> Message:
+    metrics = MetricRecord({wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: [6, 4]})
+    content = RecordDict({wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in TRAINED.items()}), wire.METRICS: metrics})
+    return Message(content, reply_to=msg)
+
+
+def _context(partition: int) -> Context:
+    return Context(run_id=1, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={})
+
+
+@pytest.mark.usefixtures("flower_task_identity")
+def test_the_mod_poisons_the_attacked_site_only_and_keeps_its_metrics_honest():
+    mod = PoisonMod(Attack("signflip", 4), sites=(0,))
+    attacked = mod(_instruction(), _context(0), _honest_site)
+    honest = mod(_instruction(), _context(3), _honest_site)
+    np.testing.assert_allclose(attacked.content[wire.ARRAYS]["conv.weight"].numpy(), np.full((2, 3), 0.0))
+    for k in SENT:
+        np.testing.assert_array_equal(honest.content[wire.ARRAYS][k].numpy(), TRAINED[k])
+    assert attacked.content[wire.METRICS][wire.NUM_EXAMPLES] == 10
+    assert attacked.content[wire.METRICS][wire.LABEL_HISTOGRAM] == [6, 4]
+
+
+@pytest.mark.usefixtures("flower_task_identity")
+def test_the_mod_leaves_evaluate_messages_alone():
+    mod = PoisonMod(Attack("scale", 100), sites=(0,))
+    out = mod(_instruction(MessageType.EVALUATE), _context(0), _honest_site)
+    for k in SENT:
+        np.testing.assert_array_equal(out.content[wire.ARRAYS][k].numpy(), TRAINED[k])
+
+
+@pytest.mark.usefixtures("flower_task_identity")
+def test_the_benchmark_screen_records_norms_and_rejections():
+    from tests.test_screening import GLOBAL, honest, instruction, reply
+
+    from simulations.poisoning import recording_screen
+
+    instructions = {node: instruction(node) for node in range(1, 7)}
+    replies = [reply(instructions[n], honest(n)) for n in range(1, 6)]
+    boosted = poison(GLOBAL, honest(6), Attack("scale", 100))
+    replies.append(reply(instructions[6], boosted))
+    rows: list[dict] = []
+    out = recording_screen(rows)(num_classes=3)(instructions, replies)
+    assert [r.has_error() for r in out] == [False] * 5 + [True]
+    assert len(rows) == 6 and all(r["round"] == 1 for r in rows)
+    assert [r["rejected"] for r in rows].count(True) == 1
+    assert max(r["ratio_to_median"] for r in rows) > 10
+    assert all(-1 - 1e-9 <= r["cosine_to_median_update"] <= 1 + 1e-9 for r in rows)
