@@ -15,7 +15,7 @@ from typing import Any
 
 from .data.federation import FederationSpec
 
-STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "dwa")
+STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "trimmedavgm", "dwa")
 COMPRESSIONS = ("none", "topk")
 ENCRYPTIONS = ("none", "paillier")
 
@@ -135,7 +135,7 @@ class RunConfig:
     def _check_encryption(self) -> None:
         """Features that need each site's plaintext update cannot run under encryption: say so."""
         why = "with encryption = 'paillier' the server only ever sees the sum of the sites' updates"
-        if self.strategy in ("fedmedian", "fedtrimmedavg", "krum"):
+        if self.strategy in ("fedmedian", "fedtrimmedavg", "krum", "trimmedavgm"):
             raise ConfigError(
                 f"Invalid run config strategy = {self.strategy!r}: {why}, and a robust aggregator needs "
                 f"every site's update; use fedavg, fedprox, fedavgm, fedadam or dwa"

@@ -11,6 +11,22 @@ from .config import RunConfig
 from .strategy import DWA
 
 
+class TrimmedFedAvgM(FedAvgM, FedTrimmedAvg):
+    """FedAvgM's server momentum over FedTrimmedAvg's coordinate-wise trimmed mean.
+
+    Flower's robust aggregators drop what server momentum gives on Non-IID sites, and
+    FedAvgM trusts every site: here ``FedAvgM.aggregate_train``'s average is the trimmed
+    mean (the MRO puts FedTrimmedAvg between FedAvgM and FedAvg), then momentum applies.
+    Momentum over a robust aggregate is the recipe of Karimireddy et al. 2021, "Learning
+    from History for Byzantine Robust Optimization"."""
+
+    def __init__(self, *, beta: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= beta < 0.5:
+            raise ValueError(f"Invalid beta {beta!r}: must be in [0, 0.5)")
+        self.beta = beta
+
+
 def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = None) -> Strategy:
     """Flower's own strategies and fedind's ``dwa``, configured for this federation.
 
@@ -47,6 +63,13 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
         return FedMedian(**common)
     if config.strategy == "fedtrimmedavg":
         return FedTrimmedAvg(beta=config.trimmed_beta, **common)
+    if config.strategy == "trimmedavgm":
+        return TrimmedFedAvgM(
+            beta=config.trimmed_beta,
+            server_learning_rate=config.server_learning_rate,
+            server_momentum=config.server_momentum,
+            **common,
+        )
     if config.strategy == "krum":
         return Krum(num_malicious_nodes=config.krum_malicious, **common)
     if config.strategy == "dwa":
