@@ -13,18 +13,28 @@ import zlib
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from . import wire
 from .config import RunConfig
+from .continual import classes_seen, evaluate_known, known
+from .continual_app import (
+    load_replay,
+    offered_phase,
+    pad_residuals,
+    received_penalty,
+    replay_metrics,
+    save_replay,
+)
 from .data.format import DataFormatError
 from .data.sources import SiteData, site_from_dir, site_from_partition
+from .ewc import diagonal_fisher
 from .models import FaultCNN
-from .training import cosine_lr, evaluate, pick_device, prior_logit_adjustment, train_local
+from .training import cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local
 from .site_state import state_mod
 from .secure import decrypt_query, paillier_mod
-from .transport import topk_mod
+from .transport import RESIDUALS, topk_mod
 
 # state_mod first (outermost): it saves context.state after the inner mods wrote to it.
 app = ClientApp(mods=[state_mod, topk_mod, paillier_mod])
@@ -35,19 +45,25 @@ def run_config_of(msg: Message) -> RunConfig:
     return RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
 
 
-def load_site_data(context: Context, config: RunConfig) -> SiteData:
+def load_site_data(context: Context, config: RunConfig, phase: int = 0) -> SiteData:
+    """The site's data of ``phase`` (its newest batch then; phase 0 with static data)."""
     node = context.node_config
     if "data-dir" in node:
-        return site_from_dir(str(node["data-dir"]), str(node.get("site-id", "")))
-    spec = None if config.data_root else config.federation_spec()
-    return site_from_partition(spec, config.data_root, int(node["partition-id"]), int(node["num-partitions"]))
+        return site_from_dir(str(node["data-dir"]), str(node.get("site-id", "")), phase)
+    if config.data_root:
+        spec = None
+    else:
+        spec = config.drift_spec() if config.phases > 1 else config.federation_spec()
+    return site_from_partition(spec, config.data_root, int(node["partition-id"]), int(node["num-partitions"]), phase)
 
 
-def receive_model(msg: Message, site: SiteData) -> FaultCNN:
+def receive_model(msg: Message, site: SiteData, config: RunConfig) -> FaultCNN:
+    """The global model of ``msg``. With static data a label beyond its head is a data
+    error; with phases it is a new class: the site leaves it out and reports it."""
     model = FaultCNN.from_state_dict(msg.content[wire.ARRAYS].to_torch_state_dict())
     num_classes = model.head.out_features
     for split in (site.train, site.test):
-        if split is not None and split.y.max() >= num_classes:
+        if config.phases == 1 and split is not None and split.y.max() >= num_classes:
             raise DataFormatError(
                 f"site {site.site_id}: label {int(split.y.max())} but the global model has "
                 f"{num_classes} classes"
@@ -67,31 +83,41 @@ def _site_seed(config: RunConfig, site_id: str, server_round: int) -> int:
 def train(msg: Message, context: Context) -> Message:
     config = run_config_of(msg)
     server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
-    site = load_site_data(context, config)
+    site = load_site_data(context, config, config.phase_of(server_round))
     device = pick_device(config.device)
-    model = receive_model(msg, site)
+    model = receive_model(msg, site, config)
+    num_classes = model.head.out_features
+    # New classes (phases > 1) wait until the head has them; classes-seen tells the server.
+    train_data = known(site.train, num_classes)
     # Score the global model on local data first: the site's view of the federation.
-    before = evaluate(model, site.test if site.test is not None else site.train, device)
+    before = evaluate_known(model, site.test if site.test is not None else site.train, device)
     seed = _site_seed(config, site.site_id, server_round)
     torch.manual_seed(seed)
-    histogram = np.bincount(site.train.y, minlength=model.head.out_features)
+    histogram = np.bincount(train_data.y, minlength=num_classes)
     adjustment = prior_logit_adjustment(histogram, config.logit_adjustment) if config.logit_adjustment else None
+    buffer = load_replay(context, config, site.site_id, train_data, num_classes)
+    replay = buffer.arrays() if buffer is not None else None
+    if config.compression == "topk":  # the error-feedback residuals follow a grown head
+        pad_residuals(context, RESIDUALS, num_classes)
     started = time.process_time()
     result = train_local(
         model,
-        site.train,
+        train_data,
         epochs=config.local_epochs,
         batch_size=config.batch_size,
-        lr=cosine_lr(config.learning_rate, (server_round - 1) / config.num_server_rounds),
+        lr=cosine_lr(config.learning_rate, config.lr_progress(server_round)),
         seed=seed,
         device=device,
         proximal_mu=float(msg.content[wire.CONFIG].get("proximal-mu", 0.0)),
         momentum=config.local_momentum,
         logit_adjustment=adjustment,
+        replay=replay,
+        replay_ratio=config.replay_ratio if replay is not None else 0.0,
+        penalty=received_penalty(msg, config),
     )
     metrics = MetricRecord(
         {
-            wire.NUM_EXAMPLES: site.train.num_examples,
+            wire.NUM_EXAMPLES: train_data.num_examples,
             wire.TRAIN_LOSS: result.loss,
             wire.LABEL_HISTOGRAM: [int(c) for c in histogram],
             wire.LOCAL_ACCURACY: before.accuracy,
@@ -99,6 +125,10 @@ def train(msg: Message, context: Context) -> Message:
             wire.TRAIN_SECONDS: time.process_time() - started,
         }
     )
+    if config.phases > 1:
+        metrics[wire.CLASSES_SEEN] = classes_seen(site.train, site.test)
+        if config.replay_samples:
+            metrics.update(replay_metrics(buffer, train_data))
     content = RecordDict(
         {wire.ARRAYS: _state(model), wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})}
     )
@@ -107,12 +137,46 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate_global(msg: Message, context: Context) -> Message:
+    """The final model on the site's own test split (of the last phase; labels beyond the
+    head count as errors)."""
     config = run_config_of(msg)
-    site = load_site_data(context, config)
-    model = receive_model(msg, site)
-    result = evaluate(model, site.test if site.test is not None else site.train, pick_device(config.device))
+    site = load_site_data(context, config, config.phases - 1)
+    model = receive_model(msg, site, config)
+    result = evaluate_known(model, site.test if site.test is not None else site.train, pick_device(config.device))
     metrics = MetricRecord(
         {wire.NUM_EXAMPLES: result.num_examples, "accuracy": result.accuracy, "loss": result.loss}
     )
     content = RecordDict({wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
+    return Message(content=content, reply_to=msg)
+
+
+@app.query("phase_end")
+def phase_end(msg: Message, context: Context) -> Message:
+    """End of a phase (``query.phase_end``, fedind.continual): offer this phase's batch to
+    the replay buffer, scored by the loss of the global model it came with, and (EWC)
+    return the diagonal Fisher of that model on the batch."""
+    config = run_config_of(msg)
+    phase = int(msg.content[wire.CONFIG][wire.PHASE])
+    site = load_site_data(context, config, phase)
+    device = pick_device(config.device)
+    model = receive_model(msg, site, config)
+    num_classes = model.head.out_features
+    data = known(site.train, num_classes)
+    seed = _site_seed(config, site.site_id, int(msg.content[wire.CONFIG][wire.SERVER_ROUND]))
+    content = RecordDict({wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
+    metrics = MetricRecord({wire.NUM_EXAMPLES: data.num_examples})
+    if config.replay_samples:
+        buffer = load_replay(context, config, site.site_id, data, num_classes)
+        if buffer is not None and offered_phase(context) < phase and data.num_examples:
+            if len(buffer):  # scores taken at admission went stale as the model learnt
+                buffer.rescore(sample_losses(model, buffer.arrays(), device))
+            buffer.offer(data.x, data.y, sample_losses(model, data, device))
+            save_replay(context, buffer, phase)
+        metrics.update(replay_metrics(buffer, data))
+        if buffer is not None:
+            metrics[wire.WINDOWS_SEEN] = buffer.seen  # the batch is now offered
+    if config.ewc_lambda and data.num_examples:
+        fisher = diagonal_fisher(model, data, device, seed=seed % 2**31)
+        content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
+    content[wire.METRICS] = metrics
     return Message(content=content, reply_to=msg)

@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .data.drift import DriftSpec
 from .data.federation import FederationSpec
+from .data.synthetic import NUM_CLASSES
+from .replay import POLICIES as REPLAY_POLICIES
 
 STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "trimmedavgm", "dwa")
 COMPRESSIONS = ("none", "topk")
@@ -78,6 +81,19 @@ class RunConfig:
     resume: bool = False  # continue run-dir/<run-name> (newest run there if run-name is empty) from its newest valid checkpoint
     metrics_port: int = 0  # Prometheus /metrics of the server during a run (0 = off; fedind.monitoring)
     metrics_address: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = every interface)
+    # Continual learning (fedind.continual): data arriving in phases, replay, EWC, new classes.
+    phases: int = 1  # data phases (1 = static data); phase p = rounds p*phase-rounds+1 .. (p+1)*phase-rounds
+    phase_rounds: int = 0  # rounds per phase (needed with phases > 1); the last phase runs to num-server-rounds
+    drift_regime_share: float = 0.5  # synthetic, each phase >= 1: share of lines whose operating regime changes
+    drift_new_classes: int = 1  # synthetic: last classes held out of phase 0, first seen at one line in phase 1
+    drift_speed_factor: float = 1.5  # synthetic: a line's new regime runs at this times a drawn shaft speed
+    replay_samples: int = 0  # site replay buffer bound in windows (0 = no replay)
+    replay_bytes: int = 0  # replay buffer bound in bytes (0 = what replay-samples windows take)
+    replay_share: float = 0.1  # the buffer also holds at most this share of the windows the site has had
+    replay_ratio: float = 0.5  # replayed windows per new window in each local batch
+    replay_policy: str = "balanced-loss"  # reservoir | balanced | balanced-loss (fedind.replay)
+    ewc_lambda: float = 0.0  # EWC penalty weight at the sites (0 = off)
+    ewc_gamma: float = 1.0  # online EWC: Fisher of earlier phases is scaled by gamma at each consolidation
 
     def __post_init__(self) -> None:
         checks = {
@@ -123,14 +139,80 @@ class RunConfig:
             "checkpoint-keep": self.checkpoint_keep >= 1,
             "metrics-port": 0 <= self.metrics_port <= 65535,
             "metrics-address": bool(self.metrics_address.strip()),
+            "phases": self.phases >= 1,
+            "phase-rounds": self.phase_rounds >= 0,
+            "drift-regime-share": 0 <= self.drift_regime_share <= 1,
+            "drift-new-classes": 0 <= self.drift_new_classes <= NUM_CLASSES - 2,
+            "drift-speed-factor": 0.25 <= self.drift_speed_factor <= 4,
+            "replay-samples": self.replay_samples >= 0,
+            "replay-bytes": self.replay_bytes >= 0,
+            "replay-share": 0 < self.replay_share <= 1,
+            "replay-ratio": math.isfinite(self.replay_ratio) and self.replay_ratio >= 0,
+            "replay-policy": self.replay_policy in REPLAY_POLICIES,
+            "ewc-lambda": math.isfinite(self.ewc_lambda) and self.ewc_lambda >= 0,
+            "ewc-gamma": 0 <= self.ewc_gamma <= 1,
         }
         for key, ok in checks.items():
             if not ok:
                 value = getattr(self, key.replace("-", "_"))
                 hint = f" (choose from {', '.join(STRATEGIES)})" if key == "strategy" else ""
                 raise ConfigError(f"Invalid run config {key} = {value!r}{hint}")
+        self._check_phases()
         if self.encryption == "paillier":
             self._check_encryption()
+
+    def _check_phases(self) -> None:
+        """The phase schedule must give every phase a round; replay and EWC need phases."""
+        if self.phases == 1:
+            for key, value, why in (
+                ("phase-rounds", self.phase_rounds, "there is one phase"),
+                ("replay-samples", self.replay_samples, "a site's buffer is filled at the end of a phase"),
+                ("ewc-lambda", self.ewc_lambda, "the Fisher is taken at the end of a phase"),
+            ):
+                if value:
+                    raise ConfigError(f"Invalid run config {key} = {value!r}: it needs phases > 1 ({why})")
+            return
+        if self.phase_rounds < 1 or (self.phases - 1) * self.phase_rounds >= self.num_server_rounds:
+            raise ConfigError(
+                f"Invalid run config phase-rounds = {self.phase_rounds!r}: phases = {self.phases} need "
+                f"phase-rounds >= 1 and (phases - 1) * phase-rounds < num-server-rounds = "
+                f"{self.num_server_rounds} (every phase gets at least one round)"
+            )
+        if self.replay_samples and self.replay_ratio == 0:
+            raise ConfigError(
+                f"Invalid run config replay-ratio = 0.0 with replay-samples = {self.replay_samples}: "
+                "the buffer would never be replayed; set replay-ratio > 0 or replay-samples = 0"
+            )
+
+    def phase_of(self, server_round: int) -> int:
+        """The data phase of ``server_round`` (0-based; round 0, the initial model, is phase 0)."""
+        if self.phases == 1 or server_round <= 0:
+            return 0
+        return min((server_round - 1) // self.phase_rounds, self.phases - 1)
+
+    def lr_progress(self, server_round: int) -> float:
+        """Where ``server_round`` lies in the sites' cosine learning-rate schedule, in [0, 1):
+        over the whole run, or with phases over its phase (a restart per phase: a new batch
+        is learnt at the full rate)."""
+        if self.phases == 1:
+            return (server_round - 1) / self.num_server_rounds
+        phase = self.phase_of(server_round)
+        start = phase * self.phase_rounds
+        length = self.phase_rounds if phase < self.phases - 1 else self.num_server_rounds - start
+        return (server_round - 1 - start) / length
+
+    def phase_end_rounds(self) -> tuple[int, ...]:
+        """The last round of every phase but the last: after it the sites consolidate."""
+        return tuple(p * self.phase_rounds for p in range(1, self.phases))
+
+    def drift_spec(self) -> DriftSpec:
+        return DriftSpec(
+            federation=self.federation_spec(),
+            phases=self.phases,
+            regime_share=self.drift_regime_share,
+            new_classes=self.drift_new_classes,
+            speed_factor=self.drift_speed_factor,
+        )
 
     def _check_encryption(self) -> None:
         """Features that need each site's plaintext update cannot run under encryption: say so."""
@@ -154,6 +236,12 @@ class RunConfig:
             raise ConfigError(
                 f"Invalid run config conflict-damping = {self.conflict_damping!r}: {why}, so the per-site "
                 f"sign agreement it needs is hidden; set conflict-damping = 1.0"
+            )
+        if self.phases > 1:
+            raise ConfigError(
+                f"Invalid run config phases = {self.phases}: {why}; continual learning needs each site's "
+                "Fisher in the clear and grows the classifier head, which changes the packed ciphertext "
+                "layout; set phases = 1 or encryption = 'none'"
             )
         if not self.data_root and max(1, round(self.fraction_train * self.num_sites)) < 2:
             raise ConfigError(

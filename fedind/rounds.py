@@ -7,14 +7,20 @@ order (configure_train, send_and_receive, aggregate_train, configure_evaluate,
 send_and_receive, aggregate_evaluate, evaluate_fn), starting at ``first_round``, and adds two
 things a plant needs: a round with fewer than ``min_sites`` successful replies leaves the
 global model unchanged, and ``after_round`` runs after every round (the checkpoint).
+
+Two optional hooks serve continual learning (:mod:`fedind.continual`): ``train_records``
+adds records to every train message of a round (EWC Fisher and anchors), and
+``end_of_round`` sees the round's train replies right after aggregation and may replace the
+global arrays (a grown classifier head) or talk to the sites (the phase-end query) before
+the round is scored and checkpointed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from logging import INFO, WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -32,6 +38,8 @@ def run_rounds(
     evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None],
     min_sites: int = 1,
     after_round: Callable[[int, ArrayRecord], None] | None = None,
+    train_records: Callable[[int], Mapping[str, ArrayRecord]] | None = None,
+    end_of_round: Callable[[int, ArrayRecord, list[Message]], ArrayRecord] | None = None,
 ) -> ArrayRecord:
     """Run rounds ``first_round .. num_rounds`` from global ``arrays``; return the final arrays.
 
@@ -44,9 +52,12 @@ def run_rounds(
     for server_round in range(first_round, num_rounds + 1):
         log(INFO, "")
         log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
-        replies = list(
-            grid.send_and_receive(strategy.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
-        )
+        messages = list(strategy.configure_train(server_round, arrays, train_config, grid))
+        extra = train_records(server_round) if train_records is not None else {}
+        for message in messages:
+            for name, record in extra.items():
+                message.content[name] = record
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
         arrived = sum(not reply.has_error() for reply in replies)
         if arrived < min_sites:
             log(
@@ -58,6 +69,8 @@ def run_rounds(
             new_arrays, _ = strategy.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = new_arrays
+        if end_of_round is not None:
+            arrays = end_of_round(server_round, arrays, replies)
         evaluate_replies = grid.send_and_receive(
             strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
         )

@@ -18,9 +18,12 @@ from flwr.serverapp import Grid, ServerApp
 from . import wire
 from .checkpoint import Checkpoint, CheckpointStore
 from .config import ConfigError, RunConfig
-from .data.format import SiteArrays
-from .data.sources import check_data_root, global_test_set
+from .continual_app import PhaseController
+from .data.drift import phase_classes
+from .data.format import SiteArrays, validate_phases
+from .data.sources import check_data_root, global_test_set, phase_test_set, resolve_root
 from .data.synthetic import NUM_CLASSES
+from .expansion import head_classes
 from .metering import MeteredGrid, Traffic
 from .monitoring import RunMonitor, code_version
 from .models import FaultCNN
@@ -41,12 +44,16 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def federation_shape(config: RunConfig) -> tuple[int, int, tuple[int, int]]:
-    """(number of sites, classes, [C, L]) — validating data-root before any round."""
+    """(number of sites, classes, [C, L]) — validating data-root before any round (with
+    phases, every phase's batches). With phases, the classes are those of phase 0."""
     if config.data_root:
         info = check_data_root(config.data_root)
+        if config.phases > 1:
+            validate_phases(resolve_root(config.data_root), config.phases)
         return len(info["sites"]), int(info["num_classes"]), tuple(info["sample_shape"])
     spec = config.federation_spec()
-    return spec.num_sites, NUM_CLASSES, (1, spec.window)
+    classes = phase_classes(config.drift_spec(), 0) if config.phases > 1 else NUM_CLASSES
+    return spec.num_sites, classes, (1, spec.window)
 
 
 def wait_for_sites(grid: Grid, expected: int, timeout: float) -> list[int]:
@@ -64,7 +71,8 @@ def wait_for_sites(grid: Grid, expected: int, timeout: float) -> list[int]:
 
 def run_server(grid: Grid, config: RunConfig) -> dict:
     num_sites, num_classes, (channels, _) = federation_shape(config)
-    test_set = global_test_set(config.federation_spec(), config.data_root)
+    # With phases the controller scores each phase's test set instead (fedind.continual).
+    test_set = global_test_set(config.federation_spec(), config.data_root) if config.phases == 1 else None
     node_ids = wait_for_sites(grid, num_sites, timeout=60.0)
     device = pick_device(config.device)
     torch.manual_seed(config.seed)
@@ -74,6 +82,9 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     folder = run_folder(config)
     store = CheckpointStore(folder / "checkpoints", keep=config.checkpoint_keep)
     checkpoint = resume_point(store, config) if config.resume else None
+    initial_classes = num_classes
+    if checkpoint is not None and config.phases > 1:  # the head may have grown before the checkpoint
+        num_classes = head_classes(checkpoint.arrays)
     if config.encryption == "paillier":  # the server holds the public key only (fedind.secure)
         strategy, transform = encrypted_server(config, num_sites, num_classes)
     else:
@@ -90,14 +101,32 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     clock = {"round": time.monotonic(), "checkpoint": time.monotonic()}
     site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0, **saved.get("site_cpu", {})}
     run_config_json = json.dumps(config.to_flower())
+    continual = None
+    if config.phases > 1:
+        continual = PhaseController(
+            config,
+            strategy=strategy,
+            grid=metered,
+            node_ids=node_ids,
+            num_classes=num_classes,
+            initial_classes=initial_classes,
+            test_sets=[phase_test_set(config.drift_spec(), config.data_root, p) for p in range(config.phases)],
+            device=device,
+            folder=folder,
+            run_config_json=run_config_json,
+            screen=screen,
+        )
     arrays, first_round = initial, 1
     if checkpoint is not None:
-        arrays, first_round = restore_server(checkpoint, strategy), checkpoint.round + 1
+        arrays, first_round = restore_server(checkpoint, strategy, continual), checkpoint.round + 1
         log(INFO, "resuming run %s at round %d from %s", folder.name, first_round, checkpoint.path)
     started = time.monotonic() - float(saved.get("elapsed_seconds", 0.0))
 
     def evaluate_round(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        accuracy, loss = _score(arrays, test_set, device)
+        if continual is not None:
+            accuracy, loss = continual.score(server_round, arrays)
+        else:
+            accuracy, loss = _score(arrays, test_set, device)
         traffic = metered.take()
         if server_round == 0:
             recorder.initial_accuracy = accuracy
@@ -137,6 +166,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             "site_cpu": dict(site_cpu),
             "elapsed_seconds": time.monotonic() - started,
         }
+        if continual is not None:
+            state["continual"] = continual.state_dict()  # EWC Fisher and anchors, classes, phase scores
         path = store.save(server_round, {name: array.numpy() for name, array in arrays.items()}, state)
         clock["checkpoint"] = time.monotonic()
         log(INFO, "checkpoint of round %d saved to %s", server_round, path)
@@ -152,9 +183,14 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         evaluate_fn=evaluate_round,
         min_sites=config.min_sites,
         after_round=checkpoint_round if (config.checkpoint_interval or config.checkpoint_seconds) else None,
+        train_records=continual.train_records if continual is not None else None,
+        end_of_round=continual.end_of_round if continual is not None else None,
     )
     per_site = evaluate_at_sites(metered, node_ids, final, run_config_json, config.round_timeout)
-    summary = _finish(config, recorder, final, per_site, time.monotonic() - started, num_sites, site_cpu)
+    summary = _finish(
+        config, recorder, final, per_site, time.monotonic() - started, num_sites, site_cpu,
+        continual=continual.summary() if continual is not None else None,
+    )
     monitor.finish()
     monitor.close()
     log(INFO, "%s", format_summary(summary, folder))
@@ -205,14 +241,19 @@ def resume_point(store: CheckpointStore, config: RunConfig) -> Checkpoint | None
     return checkpoint
 
 
-def restore_server(checkpoint: Checkpoint, strategy) -> ArrayRecord:
-    """Put the strategy and the server's random generators back as they were after
-    ``checkpoint.round``; return the global arrays, in the model's key order."""
+def restore_server(checkpoint: Checkpoint, strategy, continual: PhaseController | None = None) -> ArrayRecord:
+    """Put the strategy, the continual-learning state (EWC Fisher and anchors, classes) and
+    the server's random generators back as they were after ``checkpoint.round``; return the
+    global arrays, in the model's key order."""
     state = checkpoint.state
     keys = state["model_keys"]
     if sorted(keys) != sorted(checkpoint.arrays):
         raise ConfigError(f"cannot resume {checkpoint.path}: model_keys do not match model.safetensors")
     load_strategy_state(strategy, state["strategy"])
+    if continual is not None:
+        if "continual" not in state:
+            raise ConfigError(f"cannot resume {checkpoint.path}: it has no continual-learning state")
+        continual.load_state_dict(state["continual"])
     version, internal, gauss = state["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(torch.from_numpy(np.asarray(state["rng"]["torch"], dtype=np.uint8)))
@@ -264,6 +305,7 @@ def _finish(
     seconds: float,
     num_sites: int,
     site_cpu: dict[str, float],
+    continual: dict | None = None,
 ) -> dict:
     state = {name: array.numpy() for name, array in arrays.items()}
     digest = save_model(recorder.folder / "model.safetensors", state, {"format": "fedind.FaultCNN"})
@@ -289,6 +331,7 @@ def _finish(
         "model_parameters": int(sum(v.size for v in state.values())),
         "model_sha256": digest,
         "per_site": per_site,
+        **({"continual": continual} if continual is not None else {}),
         "config": config.to_flower(),
         "versions": package_versions(),
         "code_version": code_version(),  # fedind version, git describe, source SHA-256

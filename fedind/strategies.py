@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import MetricRecord, RecordDict
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, Krum, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from .config import RunConfig
+from .expansion import pad_head_rows
 from .strategy import DWA
 
 
@@ -133,3 +134,46 @@ def load_strategy_state(strategy: Strategy, state: dict) -> None:
     elif isinstance(strategy, FedAdam):
         strategy.m_t = None if state["m_t"] is None else {k: np.asarray(v) for k, v in state["m_t"].items()}
         strategy.v_t = None if state["v_t"] is None else {k: np.asarray(v) for k, v in state["v_t"].items()}
+
+
+# ---------------------------------------------------------------------- new classes
+
+
+def grow_strategy_classes(strategy: Strategy, arrays: ArrayRecord, num_classes: int) -> None:
+    """The head of the global model grew to ``num_classes`` (``arrays``, already grown):
+    pad every piece of the strategy's cross-round state that follows it, with zeros
+    (:func:`fedind.expansion.pad_head_rows`: no momentum, no moments, no label counts yet
+    for the new classes), and make ``arrays`` the strategy's current model.
+
+    Stateless strategies need nothing; a strategy whose state this does not know is a
+    ValueError (RunConfig refuses such combinations before round 1)."""
+    names = list(arrays.keys())
+    if isinstance(strategy, DWA):
+        state = strategy.state_dict()
+        histogram = state["global_histogram"]
+        if histogram is not None:
+            histogram = {
+                "num_classes": num_classes,
+                "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in histogram["sites"].items()},
+            }
+        state = {
+            "global_histogram": histogram,
+            "momentum": {"buffers": pad_head_rows(state["momentum"]["buffers"], num_classes)},
+            "server_momentum": None
+            if state["server_momentum"] is None
+            else {"buffers": pad_head_rows(state["server_momentum"]["buffers"], num_classes)},
+        }
+        strategy.num_classes = num_classes
+        strategy.current_arrays = arrays
+        strategy.load_state_dict(state)
+    elif isinstance(strategy, FedAvgM):
+        if strategy.momentum_vector is not None:
+            padded = pad_head_rows(dict(zip(names, strategy.momentum_vector, strict=True)), num_classes)
+            strategy.momentum_vector = [padded[name] for name in names]
+        strategy.current_arrays = arrays
+    elif isinstance(strategy, FedAdam):
+        strategy.m_t = None if strategy.m_t is None else pad_head_rows(strategy.m_t, num_classes)
+        strategy.v_t = None if strategy.v_t is None else pad_head_rows(strategy.v_t, num_classes)
+        strategy.current_arrays = {name: array.numpy() for name, array in arrays.items()}
+    elif strategy_state(strategy):
+        raise ValueError(f"{type(strategy).__name__} keeps state the head's growth does not know how to pad")

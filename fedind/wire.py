@@ -32,3 +32,13 @@ CONFLICT_SHARE = "conflict-share"  # share of coordinates whose sign agreement i
 DWA_WEIGHT_MIN = "dwa-weight-min"  # smallest aggregation weight given to a site this round
 DWA_WEIGHT_MAX = "dwa-weight-max"  # largest aggregation weight given to a site this round
 RESTART_SHARE = "restart-share"  # share of coordinates whose server momentum was reset this round
+
+# Continual learning (fedind.continual)
+PHASE_END = "query.phase_end"  # message type, server -> every site at the end of a phase: consolidate
+PHASE = "phase"  # ConfigRecord key, server -> site: the phase that ends
+EWC_FISHER = "ewc-fisher"  # ArrayRecord: site -> server its Fisher (phase end); server -> site the consolidated one
+EWC_ANCHORS = "ewc-anchors"  # ArrayRecord, server -> site: the anchor parameters of the EWC penalty
+CLASSES_SEEN = "classes-seen"  # MetricRecord key, site -> server: 1 + the largest label in the site's data
+REPLAY_SAMPLES = "replay-samples"  # MetricRecord key: windows in the site's replay buffer
+REPLAY_BYTES = "replay-bytes"  # MetricRecord key: bytes the site's replay buffer holds (ReplayBuffer.nbytes)
+WINDOWS_SEEN = "windows-seen"  # MetricRecord key: windows the site has had (earlier phases offered + this batch)

@@ -8,6 +8,19 @@ Layout::
       test.npz                    optional: held-out global test set for server-side evaluation
       meta.json                   optional: {"num_classes": K, "class_names": [...], ...}
 
+Data that arrive in phases (run config ``phases > 1``, :mod:`fedind.continual`) add one
+folder per new batch; the files above are phase 0::
+
+      sites/<site-id>/phase-<p>/train.npz   the line's batch of phase p >= 1 (test.npz optional)
+      phase-<p>/test.npz                    optional: the global test set of phase p
+
+At phase ``p`` a site trains on its newest batch: ``phase-<q>/`` with the largest
+``q <= p`` that has a train.npz, else the site folder itself (a line with no new batch keeps
+its last one). ``meta.json``'s ``num_classes`` is the number of classes of phase 0; a later
+batch may hold labels ``>= num_classes``: a new fault class, for which the server grows the
+model. A plant adds a batch by writing ``phase-<p>/train.npz`` (``write_split`` writes
+atomically) before the run reaches phase ``p``.
+
 Every ``.npz`` is read with ``allow_pickle=False`` and checked; any fault raises one
 ``DataFormatError`` whose message starts with the offending path, e.g.
 ``data/sites/line-03/train.npz: x has dtype float64, expected float32``.
@@ -32,6 +45,7 @@ SITES_DIR = "sites"
 TRAIN_FILE = "train.npz"
 TEST_FILE = "test.npz"
 META_FILE = "meta.json"
+PHASE_PREFIX = "phase-"
 
 PathLike = str | os.PathLike
 
@@ -241,13 +255,84 @@ def load_site(
     site_id: str,
     num_classes: int | None = None,
     sample_shape: tuple[int, int] | None = None,
+    phase: int = 0,
 ) -> tuple[SiteArrays, SiteArrays | None]:
-    """Train split and optional test split of one site; both must share one ``(C, L)``."""
-    site_dir = _site_dir(_root(data_root), site_id)
-    train = load_split(site_dir / TRAIN_FILE, num_classes, sample_shape)
-    test_path = site_dir / TEST_FILE
-    test = load_split(test_path, num_classes, train.sample_shape) if test_path.exists() else None
+    """Train split and optional test split of one site; both must share one ``(C, L)``.
+    ``phase > 0``: the site's newest batch at that phase (:func:`batch_dir`), whose labels
+    may exceed ``num_classes`` (new classes)."""
+    return load_batch(_site_dir(_root(data_root), site_id), phase, num_classes, sample_shape)
+
+
+def phase_name(phase: int) -> str:
+    """Folder of a phase's batch: ``""`` for phase 0 (the static layout), else ``phase-<p>``."""
+    if not _is_int(phase) or phase < 0:
+        raise ValueError(f"Invalid phase: {phase!r}")
+    return f"{PHASE_PREFIX}{phase}" if phase else ""
+
+
+def batch_dir(site_dir: PathLike, phase: int) -> Path:
+    """The folder of a site's newest batch at ``phase``: ``phase-<q>/`` with the largest
+    ``q <= phase`` that holds a train.npz, else ``site_dir`` (phase 0)."""
+    site_dir = Path(site_dir)
+    for q in range(phase, 0, -1):
+        if (site_dir / phase_name(q) / TRAIN_FILE).is_file():
+            return site_dir / phase_name(q)
+    return site_dir
+
+
+def load_batch(
+    site_dir: PathLike,
+    phase: int = 0,
+    num_classes: int | None = None,
+    sample_shape: tuple[int, int] | None = None,
+) -> tuple[SiteArrays, SiteArrays | None]:
+    """Train and optional test split of a site's newest batch at ``phase`` (one site's
+    folder, as a deployed site agent's ``data-dir``). ``num_classes`` bounds the labels of
+    phase 0 only: later batches may bring new classes."""
+    folder = batch_dir(site_dir, phase)
+    bound = num_classes if folder == Path(site_dir) else None
+    train = load_split(folder / TRAIN_FILE, bound, sample_shape)
+    test_path = folder / TEST_FILE
+    test = load_split(test_path, bound, train.sample_shape) if test_path.exists() else None
     return train, test
+
+
+def load_phase_test(
+    data_root: PathLike, phase: int, sample_shape: tuple[int, int] | None = None
+) -> SiteArrays | None:
+    """The global test set of ``phase``: ``DATA_ROOT/test.npz`` (phase 0) or
+    ``DATA_ROOT/phase-<p>/test.npz``; None when absent."""
+    path = _root(data_root) / phase_name(phase) / TEST_FILE
+    return load_split(path, None, sample_shape) if path.exists() else None
+
+
+def validate_phases(data_root: PathLike, phases: int) -> dict:
+    """Check every batch of phases ``1 .. phases-1`` (files present: each site's
+    ``phase-<p>/`` splits, ``phase-<p>/test.npz``) against phase 0's ``(C, L)``.
+
+    Returns ``{"max_label": int, "batches": {site: [phases with a batch]},
+    "phase_tests": [phases with a global test set]}`` (phase 0 included)."""
+    root = _root(data_root)
+    info = validate_data_root(root)
+    shape = tuple(info["sample_shape"])
+    max_label = info["num_classes"] - 1
+    batches = {site: [0] for site in info["sites"]}
+    phase_tests = [0] if info["has_global_test"] else []
+    for phase in range(1, phases):
+        for site in info["sites"]:
+            folder = root / SITES_DIR / site / phase_name(phase)
+            if not (folder / TRAIN_FILE).is_file():
+                if folder.exists():
+                    raise DataFormatError(f"{folder}: batch folder has no {TRAIN_FILE} (half copied?)")
+                continue
+            train, test = load_batch(root / SITES_DIR / site, phase, None, shape)
+            max_label = max([max_label, int(train.y.max())] + ([int(test.y.max())] if test is not None else []))
+            batches[site].append(phase)
+        test = load_phase_test(root, phase, shape)
+        if test is not None:
+            max_label = max(max_label, int(test.y.max()))
+            phase_tests.append(phase)
+    return {"max_label": max_label, "batches": batches, "phase_tests": phase_tests}
 
 
 def load_global_test(

@@ -6,16 +6,16 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from .drift import DriftSpec, phase_global_test, phase_site
 from .federation import FederationSpec, make_global_test, make_site, site_ids
 from .format import (
-    TEST_FILE,
-    TRAIN_FILE,
     DataFormatError,
     SiteArrays,
     list_sites,
+    load_batch,
     load_global_test,
+    load_phase_test,
     load_site,
-    load_split,
     validate_data_root,
 )
 
@@ -38,8 +38,22 @@ def resolve_root(path: str) -> Path:
 
 
 @functools.lru_cache(maxsize=4)
-def site_from_partition(spec: FederationSpec | None, data_root: str, partition_id: int, num_partitions: int) -> SiteData:
-    """Simulation: partition i is synthetic site i, or the i-th site (sorted) of data_root."""
+def site_from_partition(
+    spec: FederationSpec | DriftSpec | None, data_root: str, partition_id: int, num_partitions: int, phase: int = 0
+) -> SiteData:
+    """Simulation: partition i is synthetic site i, or the i-th site (sorted) of data_root;
+    ``phase``: its batch of that phase (a :class:`DriftSpec` for synthetic phases)."""
+    if isinstance(spec, DriftSpec) and not data_root:
+        if num_partitions != spec.federation.num_sites or not 0 <= partition_id < num_partitions:
+            raise DataFormatError(
+                f"num-sites has {spec.federation.num_sites} sites but the simulation has {num_partitions} "
+                f"SuperNodes (this is partition {partition_id}): run with "
+                f"--federation-config 'num-supernodes={spec.federation.num_sites}'"
+            )
+        train, test = phase_site(spec, partition_id, phase)
+        return SiteData(site_ids(spec.federation.num_sites)[partition_id], train, test)
+    if isinstance(spec, DriftSpec):
+        spec = spec.federation
     if data_root:
         sites = list_sites(resolve_root(data_root))
         expected = len(sites)
@@ -55,19 +69,18 @@ def site_from_partition(spec: FederationSpec | None, data_root: str, partition_i
             f"--federation-config 'num-supernodes={expected}'"
         )
     if data_root:
-        train, test = load_site(resolve_root(data_root), sites[partition_id])
+        train, test = load_site(resolve_root(data_root), sites[partition_id], phase=phase)
     else:
         train, test = make_site(spec, partition_id)
     return SiteData(sites[partition_id], train, test)
 
 
 @functools.lru_cache(maxsize=2)
-def site_from_dir(data_dir: str, site_id: str = "") -> SiteData:
-    """Deployment: ``data-dir`` is one site's folder holding train.npz (+ optional test.npz)."""
+def site_from_dir(data_dir: str, site_id: str = "", phase: int = 0) -> SiteData:
+    """Deployment: ``data-dir`` is one site's folder holding train.npz (+ optional test.npz),
+    and ``phase-<p>/`` batches when data arrive in phases."""
     folder = resolve_root(data_dir)
-    train = load_split(folder / TRAIN_FILE)
-    test_path = folder / TEST_FILE
-    test = load_split(test_path, sample_shape=train.sample_shape) if test_path.exists() else None
+    train, test = load_batch(folder, phase)
     return SiteData(site_id or folder.name, train, test)
 
 
@@ -76,6 +89,13 @@ def global_test_set(spec: FederationSpec, data_root: str) -> SiteArrays | None:
     if data_root:
         return load_global_test(resolve_root(data_root))
     return make_global_test(spec)
+
+
+def phase_test_set(spec: DriftSpec, data_root: str, phase: int) -> SiteArrays | None:
+    """The server's held-out set of ``phase``: data-root's, or the synthetic one."""
+    if data_root:
+        return load_phase_test(resolve_root(data_root), phase)
+    return phase_global_test(spec, phase)
 
 
 def check_data_root(data_root: str) -> dict:

@@ -1,0 +1,278 @@
+"""Continual learning end to end: run config, phase schedule, drifting data and its on-disk
+layout, the head's growth through strategy state, and a short two-phase simulation (head
+grows at every site, replay stays bounded, EWC Fisher and anchors survive a resume).
+
+Unit tests of the buffer, the Fisher, the penalty and the head expansion themselves are in
+tests/test_replay.py and tests/test_ewc.py. Two ``simulate`` calls (~15-25 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+from flwr.serverapp.strategy import FedAdam, FedAvgM
+from safetensors.numpy import load_file
+
+from fedind.checkpoint import CheckpointStore
+from fedind.config import ConfigError, RunConfig
+from fedind.continual import forgetting, known, replay_bytes, replay_capacity, restore_replay
+from fedind.data.drift import (
+    DriftSpec,
+    drifted_sites,
+    new_class_site,
+    phase_classes,
+    phase_global_test,
+    phase_regimes,
+    phase_site,
+    write_drift_federation,
+)
+from fedind.data.federation import FederationSpec
+from fedind.data.format import DataFormatError, SiteArrays, batch_dir, load_site, validate_phases, write_split
+from fedind.data.synthetic import NUM_CLASSES
+from fedind.expansion import head_classes
+from fedind.replay import ReplayBuffer
+from fedind.simulation import simulate
+from fedind.strategies import build_strategy, grow_strategy_classes, strategy_state
+
+SMALL = FederationSpec(num_sites=3, samples_per_site=40, window=256, global_test_per_class=2, seed=0)
+DRIFT = DriftSpec(federation=SMALL, phases=3, regime_share=0.5, new_classes=1, speed_factor=1.5)
+
+
+# --------------------------------------------------------------------------- run config
+
+
+@pytest.mark.parametrize(
+    "values, key",
+    [
+        ({"phases": 2}, "phase-rounds"),  # phases need a schedule
+        ({"phases": 2, "phase-rounds": 40, "num-server-rounds": 40}, "phase-rounds"),  # last phase gets no round
+        ({"phase-rounds": 5}, "phase-rounds"),  # no effect with one phase
+        ({"replay-samples": 16}, "replay-samples"),  # filled at phase ends: needs phases
+        ({"ewc-lambda": 10.0}, "ewc-lambda"),
+        ({"phases": 2, "phase-rounds": 5, "replay-samples": 16, "replay-ratio": 0.0}, "replay-ratio"),
+        ({"replay-policy": "fifo"}, "replay-policy"),
+        ({"replay-share": 0.0}, "replay-share"),
+        ({"ewc-gamma": 1.5}, "ewc-gamma"),
+        ({"drift-new-classes": NUM_CLASSES - 1}, "drift-new-classes"),
+        ({"phases": 2, "phase-rounds": 5, "encryption": "paillier"}, "phases"),
+    ],
+)
+def test_invalid_continual_config_names_the_key(values, key):
+    with pytest.raises(ConfigError, match=key):
+        RunConfig.from_flower({"num-server-rounds": 20, **values})
+
+
+def test_every_continual_key_is_in_pyproject_with_its_default():
+    import tomllib
+
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        table = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+    defaults = RunConfig().to_flower()
+    for key in ("phases", "phase-rounds", "drift-regime-share", "drift-new-classes", "drift-speed-factor", "replay-samples",
+                "replay-bytes", "replay-share", "replay-ratio", "replay-policy", "ewc-lambda", "ewc-gamma"):
+        assert table[key] == defaults[key], key
+
+
+def test_phase_schedule():
+    config = RunConfig(num_server_rounds=25, phases=3, phase_rounds=8)
+    assert [config.phase_of(r) for r in (0, 1, 8, 9, 16, 17, 25)] == [0, 0, 0, 1, 1, 2, 2]
+    assert config.phase_end_rounds() == (8, 16)  # the last phase (17..25) has no phase end
+    # The sites' cosine learning rate restarts with every phase; the last one runs to the end.
+    assert [config.lr_progress(r) for r in (1, 8, 9, 17)] == [0.0, 7 / 8, 0.0, 0.0]
+    assert config.lr_progress(25) == 8 / 9
+    static = RunConfig(num_server_rounds=10)
+    assert static.phase_of(7) == 0 and static.phase_end_rounds() == () and static.lr_progress(6) == 0.5
+
+
+# --------------------------------------------------------------------------- drifting data
+
+
+def test_drift_holds_the_new_class_back_then_shows_it_at_one_line():
+    source = new_class_site(DRIFT)
+    assert phase_classes(DRIFT, 0) == NUM_CLASSES - 1 and phase_classes(DRIFT, 1) == NUM_CLASSES
+    for i in range(SMALL.num_sites):
+        train0, test0 = phase_site(DRIFT, i, 0)
+        assert train0.y.max() < NUM_CLASSES - 1 and test0.y.max() < NUM_CLASSES - 1
+        labels1 = np.concatenate([s.y for s in phase_site(DRIFT, i, 1)])
+        assert ((labels1 == NUM_CLASSES - 1).any()) == (i == source)
+    assert phase_global_test(DRIFT, 0).y.max() == NUM_CLASSES - 2
+    assert set(phase_global_test(DRIFT, 1).y.tolist()) == set(range(NUM_CLASSES))
+
+
+def test_drift_changes_the_regime_of_the_drawn_lines_only():
+    for phase in (1, 2):
+        moved = drifted_sites(DRIFT, phase)
+        assert len(moved) == round(0.5 * SMALL.num_sites)
+        before, after = phase_regimes(DRIFT, phase - 1), phase_regimes(DRIFT, phase)
+        assert [i for i in range(SMALL.num_sites) if before[i] != after[i]] == list(moved)
+        assert all(30.0 <= after[i].shaft_hz <= 45.0 for i in moved)  # 1.5 x the 20-30 Hz of phase 0
+    # a pure function of the spec
+    a, b = phase_site(DRIFT, 1, 2), phase_site(replace(DRIFT), 1, 2)
+    assert np.array_equal(a[0].x, b[0].x) and np.array_equal(a[0].y, b[0].y)
+
+
+def test_phase_layout_on_disk_newest_batch_and_validation(tmp_path):
+    root = write_drift_federation(DRIFT, tmp_path / "plant")
+    meta = json.loads((root / "meta.json").read_text())
+    assert meta["num_classes"] == NUM_CLASSES - 1  # the initial model's classes
+    site = "line-01"
+    for phase in range(3):
+        train, _ = load_site(root, site, phase=phase)
+        assert np.array_equal(train.y, phase_site(DRIFT, 1, phase)[0].y)
+    info = validate_phases(root, 3)
+    assert info["max_label"] == NUM_CLASSES - 1 and info["phase_tests"] == [0, 1, 2]
+    # a line without a new batch keeps its newest one
+    for f in (root / "sites" / site / "phase-2").iterdir():
+        f.unlink()
+    (root / "sites" / site / "phase-2").rmdir()
+    assert batch_dir(root / "sites" / site, 2) == root / "sites" / site / "phase-1"
+    assert np.array_equal(load_site(root, site, phase=2)[0].y, phase_site(DRIFT, 1, 1)[0].y)
+    # a half-copied batch folder, or a bad batch, stops the run naming the file
+    (root / "sites" / site / "phase-2").mkdir()
+    with pytest.raises(DataFormatError, match="phase-2: batch folder has no train.npz"):
+        validate_phases(root, 3)
+    bad = SiteArrays(np.zeros((4, 1, 128), np.float32), np.zeros(4, np.int64))  # another window length
+    write_split(root / "sites" / site / "phase-2" / "train.npz", bad)
+    with pytest.raises(DataFormatError, match=r"phase-2/train.npz: sample shape"):
+        validate_phases(root, 3)
+
+
+# --------------------------------------------------------------------------- site helpers
+
+
+def test_known_labels_and_replay_capacity():
+    data = SiteArrays(np.zeros((5, 1, 8), np.float32), np.array([0, 3, 1, 3, 2]))
+    assert known(data, 3).y.tolist() == [0, 1, 2] and known(data, 4) is data
+    assert [replay_capacity(64, 0.1, w) for w in (0, 9, 10, 199, 5000)] == [0, 0, 1, 19, 64]
+
+
+def test_restored_replay_buffer_grows_with_the_head_and_keeps_its_windows():
+    rng = np.random.default_rng(0)
+    buffer = ReplayBuffer(8, 8 * (4 * 16 + 12) + 16 * 3, (1, 16), 3, policy="balanced-loss", seed=1)
+    x, y = rng.normal(size=(20, 1, 16)).astype(np.float32), rng.integers(0, 3, 20)
+    buffer.offer(x, y, rng.random(20).astype(np.float32))
+    grown = restore_replay(buffer.state_dict(), max_samples=8, max_bytes=0, sample_shape=(1, 16), num_classes=4,
+                           policy="balanced-loss", seed=1)
+    assert grown.num_classes == 4 and len(grown) == 8 and grown.nbytes <= grown.max_bytes
+    assert np.array_equal(grown.arrays().y, buffer.arrays().y)
+    with pytest.raises(ValueError, match="classes"):
+        restore_replay(grown.state_dict(), max_samples=8, max_bytes=0, sample_shape=(1, 16), num_classes=3,
+                       policy="balanced-loss", seed=1)
+
+
+def test_forgetting_oracle():
+    after = [[0.8], [0.6, 0.7], [0.5, 0.75, 0.9]]
+    # phase 0: best 0.8 -> 0.5; phase 1: best 0.7 -> 0.75 (no forgetting: -0.05)
+    assert forgetting(after) == pytest.approx(((0.8 - 0.5) + (0.7 - 0.75)) / 2)
+    assert forgetting([[0.9]]) is None
+
+
+# --------------------------------------------------------------------------- strategy state follows the head
+
+
+def _arrays(num_classes: int, value: float = 0.0) -> ArrayRecord:
+    return ArrayRecord({
+        "features.w": Array(np.full((2, 3), value, np.float32)),
+        "head.weight": Array(np.full((num_classes, 2), value, np.float32)),
+        "head.bias": Array(np.full(num_classes, value, np.float32)),
+    })
+
+
+@pytest.mark.parametrize("strategy", ["fedavgm", "fedadam", "dwa"])
+def test_strategy_state_is_padded_when_the_head_grows(strategy):
+    s = build_strategy(RunConfig(strategy=strategy), num_sites=2, num_classes=3)
+    if isinstance(s, FedAvgM):
+        s.current_arrays = _arrays(3)
+        s.momentum_vector = [np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), np.ones(3, np.float32)]
+    elif isinstance(s, FedAdam):
+        s.m_t = {k: np.ones_like(v.numpy()) for k, v in _arrays(3).items()}
+        s.v_t = {k: np.ones_like(v.numpy()) for k, v in _arrays(3).items()}
+    else:
+        s.current_arrays = _arrays(3)
+        s.global_histogram.update("line-00", [1, 2, 3])
+        s.buffer.step({k: np.ones_like(v.numpy()) for k, v in _arrays(3).items()})
+    grow_strategy_classes(s, _arrays(5), 5)
+    flat = strategy_state(s)
+    if isinstance(s, FedAvgM):
+        assert [v.shape for v in s.momentum_vector] == [(2, 3), (5, 2), (5,)]
+        assert s.momentum_vector[2].tolist() == [1, 1, 1, 0, 0]
+    elif isinstance(s, FedAdam):
+        assert s.m_t["head.bias"].tolist() == [1, 1, 1, 0, 0] and s.v_t["head.weight"].shape == (5, 2)
+    else:
+        state = flat["state_dict"]
+        assert state["global_histogram"]["sites"]["line-00"] == [1, 2, 3, 0, 0]
+        assert state["momentum"]["buffers"]["head.weight"].shape == (5, 2) and s.num_classes == 5
+
+
+# --------------------------------------------------------------------------- a short two-phase run
+
+SHORT = dict(
+    num_server_rounds=3, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
+    model_width=16, device="cpu", seed=0, phases=2, phase_rounds=2, replay_samples=64, replay_share=0.2,
+    replay_ratio=0.5, ewc_lambda=50.0, drift_regime_share=0.5,
+)
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def two_phase_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs")
+    config = RunConfig(**SHORT, run_dir=str(run_dir), run_name="cl")
+    return simulate(config), run_dir / "cl", config
+
+
+def test_the_head_grows_and_every_site_adopts_it(two_phase_run):
+    summary, folder, _ = two_phase_run
+    c = summary["continual"]
+    assert c["initial_classes"] == NUM_CLASSES - 1 and c["classes"] == NUM_CLASSES
+    assert c["expansions"] == [{"round": 3, "from": NUM_CLASSES - 1, "to": NUM_CLASSES}]  # first round of phase 1
+    assert head_classes(load_file(folder / "model.safetensors")) == NUM_CLASSES
+    rounds = _rows(folder / "rounds.csv")
+    assert all(int(r["sites"]) == 3 and int(r["failures"]) == 0 for r in rounds)  # no reply rejected, before or after
+    assert set(summary["per_site"]) == {"line-00", "line-01", "line-02"}  # each scored the grown model
+    phases = _rows(folder / "phases.csv")
+    assert [int(r["classes"]) for r in phases] == [9, 9, 9, 10]
+    assert phases[-1]["accuracy_phase_1"] != "" and phases[1]["accuracy_phase_1"] == ""
+    assert c["new_class_accuracy"] is not None and c["forgetting"] is not None
+
+
+def test_replay_stays_within_its_bounds_and_ewc_records_travel(two_phase_run):
+    summary, folder, config = two_phase_run
+    replay = summary["continual"]["replay"]
+    assert replay["max_samples"] > 0
+    for entry in replay["per_site"].values():
+        capacity = replay_capacity(config.replay_samples, config.replay_share, entry["windows"])
+        assert 0 < entry["samples"] <= capacity <= config.replay_share * entry["windows"]
+        assert entry["bytes"] <= replay_bytes(0, capacity, (1, 1024), NUM_CLASSES)
+    rounds = _rows(folder / "rounds.csv")
+    # after the phase end, every train message also carries the Fisher and the anchors (~2 models)
+    assert int(rounds[2]["downlink_bytes"]) > 2.5 * int(rounds[0]["downlink_bytes"])
+    assert summary["continual"]["ewc_bytes_per_train_message"] > 0
+
+
+def test_ewc_state_is_checkpointed_and_survives_a_resume(two_phase_run):
+    summary, folder, config = two_phase_run
+    saved = CheckpointStore(folder / "checkpoints").load_latest()
+    ewc = saved.state["continual"]["ewc"]
+    assert saved.round == 3 and ewc["phases"] == 1
+    assert ewc["fisher"]["head.weight"].shape[0] == NUM_CLASSES  # padded when the head grew
+    assert not ewc["fisher"]["head.weight"][NUM_CLASSES - 1].any()  # the new row is unconstrained
+    resumed = simulate(replace(config, resume=True, num_server_rounds=4))
+    assert resumed["rounds"] == 4 and resumed["continual"]["classes"] == NUM_CLASSES
+    again = CheckpointStore(folder / "checkpoints").load_latest()
+    assert again.round == 4
+    for part in ("fisher", "anchors"):
+        for name, value in ewc[part].items():
+            assert np.array_equal(again.state["continual"]["ewc"][part][name], value)
+    rounds = _rows(folder / "rounds.csv")
+    assert int(rounds[3]["downlink_bytes"]) > 2.5 * int(rounds[0]["downlink_bytes"])  # still sent after the resume
