@@ -153,6 +153,19 @@ class LocalPlant:
     def register(self) -> str:
         return self.run([DEPLOY / "register.sh", self.connection, self.keys], timeout=300).stdout
 
+    def set_up(self, site_ids: Sequence[str], seed: int, samples_per_site: int = 40) -> Path:
+        """README, Deployment, steps 1-3: site data (returned), certificates and keys, a
+        SuperLink with TLS, SuperNode auth and SQLite state, the operator's connection, the
+        sites' keys registered."""
+        data = self.root / "data"
+        self.run([BIN / "fedind", "data", "generate", "--out", data, "--sites", len(site_ids),
+                  "--samples-per-site", samples_per_site, "--window", "256", "--seed", seed])
+        self.make_keys(site_ids)
+        self.start_superlink(database=self.root / "superlink.db")
+        self.connect_cli()
+        self.register()
+        return data
+
     def site_home(self, site: str) -> Path:
         home = self.root / "sites" / site / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)

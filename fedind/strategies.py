@@ -51,12 +51,9 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
         return FedAvg(**common)
     if config.strategy == "fedprox":
         return FedProx(proximal_mu=config.proximal_mu, **common)
+    server_step = dict(server_learning_rate=config.server_learning_rate, server_momentum=config.server_momentum)
     if config.strategy == "fedavgm":
-        return FedAvgM(
-            server_learning_rate=config.server_learning_rate,
-            server_momentum=config.server_momentum,
-            **common,
-        )
+        return FedAvgM(**server_step, **common)
     if config.strategy == "fedadam":
         return FedAdam(eta=config.fedadam_eta, eta_l=config.learning_rate, tau=config.fedadam_tau, **common)
     # Flower's robust aggregators (compared under attack in simulations/poisoning.py).
@@ -65,12 +62,7 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
     if config.strategy == "fedtrimmedavg":
         return FedTrimmedAvg(beta=config.trimmed_beta, **common)
     if config.strategy == "trimmedavgm":
-        return TrimmedFedAvgM(
-            beta=config.trimmed_beta,
-            server_learning_rate=config.server_learning_rate,
-            server_momentum=config.server_momentum,
-            **common,
-        )
+        return TrimmedFedAvgM(beta=config.trimmed_beta, **server_step, **common)
     if config.strategy == "krum":
         return Krum(num_malicious_nodes=config.krum_malicious, **common)
     if config.strategy == "dwa":

@@ -32,15 +32,7 @@ def plant(tmp_path_factory):
     root = tmp_path_factory.mktemp("plant")
     plant = LocalPlant(root)
     try:
-        # README, Deployment: 1. data, certificates, keys
-        plant.run([BIN / "fedind", "data", "generate", "--out", root / "data", "--sites", "3",
-                   "--samples-per-site", "40", "--window", "256", "--seed", "1"])
-        plant.make_keys(SITES)
-        # 2. the SuperLink (TLS + SuperNode auth, SQLite state), the operator's flwr connection
-        plant.start_superlink(database=root / "superlink.db")
-        plant.connect_cli()
-        # 3. register the sites' public keys
-        plant.register()
+        plant.set_up(SITES, seed=1)  # README, Deployment, steps 1-3: data, keys, SuperLink, registration
         yield plant
     finally:
         plant.close()

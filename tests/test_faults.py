@@ -383,13 +383,7 @@ def test_a_site_killed_mid_round_does_not_stall_the_round_and_rejoins(tmp_path):
 
     plant = LocalPlant(tmp_path / "plant")
     with plant:
-        root, data = plant.root, plant.root / "data"
-        plant.run([BIN / "fedind", "data", "generate", "--out", data, "--sites", "3",
-                   "--samples-per-site", "40", "--window", "256", "--seed", "1"])
-        plant.make_keys(SITES)
-        plant.start_superlink(database=root / "superlink.db")
-        plant.connect_cli()
-        plant.register()
+        root, data = plant.root, plant.set_up(SITES, seed=1)
         nodes = {site: plant.start_supernode(site, data / "sites" / site) for site in SITES}
         plant.wait_for(lambda: plant.online_nodes() == 3, 90, "3 SuperNodes online")
         victim = nodes["line-00"]

@@ -36,13 +36,7 @@ def _serverapp_pids(plant: LocalPlant) -> list[int]:
 
 def test_a_sigkilled_serverapp_resumes_from_its_checkpoint(tmp_path):
     with LocalPlant(tmp_path) as plant:
-        data = tmp_path / "data"
-        plant.run([BIN / "fedind", "data", "generate", "--out", data, "--sites", "3",
-                   "--samples-per-site", "40", "--window", "256", "--seed", "2"])
-        plant.make_keys(SITES)
-        plant.start_superlink(database=tmp_path / "superlink.db")
-        plant.connect_cli()
-        plant.register()
+        data = plant.set_up(SITES, seed=2)
         for site in SITES:
             plant.start_supernode(site, data / "sites" / site)
         plant.wait_for(lambda: plant.online_nodes() == 3, 90, "3 SuperNodes online")
