@@ -125,6 +125,7 @@ the reason; nothing of a malformed payload is used.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -141,6 +142,7 @@ __all__ = [
     "VERSION",
     "VERSIONS",
     "ErrorFeedback",
+    "EstimateFeedback",
     "PayloadError",
     "SparseTensor",
     "decode",
@@ -148,6 +150,7 @@ __all__ = [
     "dequantise",
     "encode",
     "encoded_size",
+    "estimate_token",
     "expected_of",
     "layout_fingerprint",
     "from_record",
@@ -542,6 +545,94 @@ class ErrorFeedback:
                     )
         self._residuals = loaded
         self._step = int(step)
+
+
+def estimate_token(estimate: Mapping[str, np.ndarray]) -> str:
+    """A 16-hex-digit fingerprint (SHA-256) of an estimate's names, shapes and float32
+    bytes: site and server compare it to know they hold the same estimate; ``""`` for an
+    empty one (nothing agreed yet)."""
+    if not estimate:
+        return ""
+    digest = hashlib.sha256()
+    for name in sorted(estimate):
+        value = np.ascontiguousarray(estimate[name], dtype=np.float32)
+        digest.update(json.dumps([name, list(value.shape)]).encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()[:16]
+
+
+class EstimateFeedback:
+    r"""Site-side top-k with EF21 feedback (Richtárik, Sokolov, Fatkhullin 2021, "EF21: A
+    New, Simpler, Theoretically Better, and Practically Faster Error Feedback").
+
+    Site and server both keep an estimate :math:`g` of the site's update (zeros at first).
+    Each round the site sends the compressed *change* of its update and both move the
+    estimate by what was sent:
+
+    .. math::
+
+        s_t = Q\big(\mathrm{top}_k(u_t - g_{t-1})\big), \qquad g_t = g_{t-1} + \hat s_t
+
+    and the server aggregates the dense :math:`g_t`, not the sparse :math:`\hat s_t`. Why it
+    suits federated sites: a site's update (the displacement of its local epochs) changes
+    slowly from round to round — same data, a global model that moved a little — so
+    :math:`g` tracks it and the server averages a dense approximation of every site's
+    update, where classic error feedback (:class:`ErrorFeedback`) averages sparse vectors
+    and delays the rest. There is no residual: what was not sent is still in
+    :math:`u - g` next round.
+
+    Agreement: both sides fingerprint the estimate (:func:`estimate_token`, bit-identical
+    float32 arithmetic on both). The server sends the token it holds; when it is not this
+    site's (``""`` after a server restart, a rejected or lost reply, a new site), the site
+    starts again from :math:`g = 0`, and says so by returning ``""`` as the base it used.
+    ``mode``, ``threshold`` and ``seed``: as for :class:`ErrorFeedback` (used with decay 0,
+    i.e. a memoryless top-k compressor).
+    """
+
+    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0) -> None:
+        self._compressor = ErrorFeedback(mode=mode, threshold=threshold, seed=seed, decay=0.0)
+        self._estimate: dict[str, np.ndarray] = {}
+        self.token = ""
+
+    def compress(self, update: Mapping[str, np.ndarray], ratio: float,
+                 server_token: str) -> tuple[dict[str, SparseTensor], str]:
+        """``(sparse, base)``: the compressed ``update - estimate`` and the token of the
+        estimate it is relative to (``""``: zeros, when ``server_token`` is not ours).
+        The estimate and :attr:`token` move only if this succeeds."""
+        base = self._estimate if (server_token and server_token == self.token) else {}
+        if base:  # ErrorFeedback.compress validates the rest
+            if not isinstance(update, Mapping) or set(update) != set(base) or any(
+                np.shape(update[n]) != base[n].shape for n in base
+            ):
+                raise ValueError("Invalid update: names or shapes differ from the estimate's")
+            update = {name: np.asarray(update[name], dtype=np.float32) - base[name] for name in update}
+        sparse = self._compressor.compress(update, ratio)
+        self._estimate = {
+            name: (base[name] + t.to_dense()) if base else t.to_dense() for name, t in sparse.items()
+        }
+        used, self.token = (self.token if base else ""), estimate_token(self._estimate)
+        return sparse, used
+
+    def state_dict(self) -> dict:
+        """``{"estimate": {name: float32 ndarray}, "step": int}`` (copies)."""
+        return {"estimate": {k: v.copy() for k, v in self._estimate.items()},
+                "step": self._compressor.state_dict()["step"]}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore from :meth:`state_dict`; validates everything before changing ``self``."""
+        if not isinstance(state, Mapping) or set(state) != {"estimate", "step"}:
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"Invalid EstimateFeedback state keys: {keys}")
+        if not isinstance(state["estimate"], Mapping):
+            raise ValueError("Invalid estimate in state: expected a mapping of name -> array")
+        loaded = {}
+        for name, g in state["estimate"].items():
+            g = np.array(g, copy=True)
+            if not isinstance(name, str) or not np.issubdtype(g.dtype, np.floating) or not np.all(np.isfinite(g)):
+                raise ValueError(f"Invalid estimate {name!r}: expected a name and finite floats")
+            loaded[name] = g.astype(np.float32, copy=False)
+        self._compressor.load_state_dict({"residuals": {}, "step": state["step"]})
+        self._estimate, self.token = loaded, estimate_token(loaded)
 
 
 # --------------------------------------------------------------------------- index blocks

@@ -65,7 +65,8 @@ class RunConfig:
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
     topk_quantization: str = "int4"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
     topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
-    topk_residual_decay: float = 0.8  # topk: share of the error-feedback residual carried to the next round
+    topk_feedback: str = "residual"  # topk: residual (classic error feedback) | estimate (EF21: server keeps each site's update estimate)
+    topk_residual_decay: float = 0.8  # topk, residual: share of the error-feedback residual carried to the next round
     topk_warmup_rounds: int = 3  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
     encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.secure)
     paillier_public_key: str = ""  # paillier: the server's public key file ("": simulate() makes a throwaway pair)
@@ -126,6 +127,7 @@ class RunConfig:
             "topk-ratio": 0 < self.topk_ratio <= 1,
             "topk-quantization": self.topk_quantization in ("int8", "int4", "sign"),
             "topk-threshold": self.topk_threshold in ("exact", "sampled"),
+            "topk-feedback": self.topk_feedback in ("residual", "estimate"),
             "topk-residual-decay": 0 <= self.topk_residual_decay <= 1,
             "topk-warmup-rounds": self.topk_warmup_rounds >= 0,
             "encryption": self.encryption in ENCRYPTIONS,

@@ -50,7 +50,10 @@ class MeteredGrid(Grid):
         """``transform(instruction, reply) -> reply`` runs on every reply after its bytes are
         counted (e.g. decoding a sparse update); then ``screen(instructions by node,
         replies) -> replies`` sees the whole round (e.g. :class:`fedind.screening.UpdateScreen`).
-        An error reply either returns is a failure."""
+        An error reply either returns is a failure. A transform with per-site state
+        (:class:`fedind.transport.EstimateUplink`) may also have ``prepare(message) ->
+        message``, run on every outgoing message before its bytes are counted, and
+        ``settle(accepted node ids)``, run after the screen."""
         self._grid = grid
         self._transform = transform
         self._screen = screen
@@ -63,6 +66,9 @@ class MeteredGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
+        prepare = getattr(self._transform, "prepare", None)
+        if prepare is not None:
+            messages = [prepare(message) for message in messages]
         for message in messages:
             self._traffic.downlink_bytes += payload_bytes(message.content)
         self._traffic.messages_sent += len(messages)
@@ -85,6 +91,9 @@ class MeteredGrid(Grid):
             replies.append(reply)
         if self._screen is not None:
             replies = self._screen(instructions, replies)
+        settle = getattr(self._transform, "settle", None)
+        if settle is not None:
+            settle({reply.metadata.src_node_id for reply in replies if not reply.has_error()})
         for reply in replies:
             if reply.has_error():
                 instruction = _instruction_of(reply, by_id, instructions)

@@ -33,7 +33,7 @@ from .rounds import run_rounds
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .training import evaluate, pick_device
 from .secure import encrypted_server
-from .transport import densify_reply
+from .transport import EstimateUplink, densify_reply
 
 app = ServerApp()
 
@@ -88,7 +88,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     if config.encryption == "paillier":  # the server holds the public key only (fedind.secure)
         strategy, transform = encrypted_server(config, num_sites, num_classes)
     else:
-        strategy, transform = build_strategy(config, num_sites, num_classes), densify_reply
+        strategy = build_strategy(config, num_sites, num_classes)
+        transform = EstimateUplink() if config.compression == "topk" and config.topk_feedback == "estimate" else densify_reply
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")

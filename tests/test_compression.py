@@ -20,6 +20,7 @@ from fedind.compression import (
     VERSION,
     VERSIONS,
     ErrorFeedback,
+    EstimateFeedback,
     PayloadError,
     SparseTensor,
     decode,
@@ -27,6 +28,7 @@ from fedind.compression import (
     dequantise,
     encode,
     encoded_size,
+    estimate_token,
     expected_of,
     from_record,
     layout_fingerprint,
@@ -1029,3 +1031,77 @@ def test_zero_decay_is_plain_topk_without_memory():
 def test_invalid_decay_is_rejected(decay):
     with pytest.raises(ValueError, match="Invalid decay"):
         ErrorFeedback(decay=decay)
+
+
+# --------------------------------------------------------------------------- EF21 estimates
+
+
+def _steady(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_t(3, size=(40, 30)).astype(np.float32), "b": rng.normal(size=9).astype(np.float32)}
+
+
+def test_ef21_estimate_moves_by_exactly_what_was_sent_and_the_server_can_rebuild_it():
+    ef, update = EstimateFeedback("int8"), _steady(0)
+    server: dict[str, np.ndarray] = {}
+    token = ""
+    for _ in range(5):
+        before = ef.state_dict()["estimate"]
+        sparse, base = ef.compress(update, 0.05, token)
+        sent = decode(encode(sparse), expected_of(update))
+        assert base == token  # the site continues from the estimate the server named
+        for name in update:  # g_t = g_{t-1} + s_t, bit for bit
+            previous = before.get(name, np.zeros_like(update[name]))
+            np.testing.assert_array_equal(ef.state_dict()["estimate"][name], previous + sent[name])
+        server = {n: (server[n] + sent[n]) if base else sent[n] for n in update}
+        token = estimate_token(server)
+        assert token == ef.token != ""
+
+
+def test_ef21_an_unknown_server_token_restarts_from_zeros():
+    ef, update = EstimateFeedback("int8"), _steady(1)
+    ef.compress(update, 0.05, "")
+    first_token = ef.token
+    sparse, base = ef.compress(update, 0.05, "not-our-token")
+    assert base == ""  # restarted: what was sent is the whole new estimate
+    estimate = ef.state_dict()["estimate"]
+    for name, t in sparse.items():
+        np.testing.assert_array_equal(estimate[name], t.to_dense())
+    assert ef.token == first_token  # the same update from zeros: the same first estimate
+
+
+def test_ef21_tracks_a_steady_update_better_than_classic_error_feedback_sends_it():
+    update = _steady(2)
+    ef21, classic = EstimateFeedback("int8"), ErrorFeedback("int8")
+    token, sent_by_classic = "", {n: np.zeros_like(v) for n, v in update.items()}
+    for _ in range(10):
+        _, _ = ef21.compress(update, 0.05, token)
+        token = ef21.token
+        for name, t in classic.compress(update, 0.05).items():
+            sent_by_classic[name] = t.to_dense()
+    gap = lambda approx: math.sqrt(sum(float(np.sum((update[n] - approx[n]) ** 2)) for n in update))  # noqa: E731
+    # What the server aggregates in round 10: EF21 its dense estimate, classic EF one sparse message.
+    assert gap(ef21.state_dict()["estimate"]) < 0.5 * gap(sent_by_classic)
+
+
+def test_ef21_state_dict_round_trip_continues_identically():
+    update = _steady(3)
+    a = EstimateFeedback("int4", threshold="sampled", seed=5)
+    a.compress(update, 0.05, "")
+    b = EstimateFeedback("int4", threshold="sampled", seed=5)
+    b.load_state_dict(a.state_dict())
+    assert b.token == a.token != ""
+    held = a.token
+    (sa, ba), (sb, bb) = a.compress(update, 0.05, held), b.compress(update, 0.05, held)
+    assert ba == bb == held  # both continued from the restored estimate
+    assert encode(sa) == encode(sb) and a.token == b.token
+
+
+@pytest.mark.parametrize(
+    "state, match",
+    [({"estimate": {}}, "keys"), ({"estimate": {"w": np.array([np.nan])}, "step": 0}, "finite"),
+     ({"estimate": [], "step": 0}, "mapping"), ({"estimate": {}, "step": -1}, "step")],
+)
+def test_ef21_load_state_dict_rejects_bad_state(state, match):
+    with pytest.raises(ValueError, match=match):
+        EstimateFeedback().load_state_dict(state)
