@@ -6,10 +6,12 @@ Flower message contents, all sites), the uplink reduction vs dense, final / best
 (mean ± std over seeds) and the difference to the dense run of the same seed, rounds to
 ``target-accuracy`` and the sites' CPU time spent compressing vs training.
 
-    python simulations/compression.py                                   # dense, 10 %, 1 %, 0.1 %
-    python simulations/compression.py topk-warmup-rounds=3 --ratios 0.01 --seeds 0 1 2
+    python simulations/compression.py                      # dense; 10 %, 1 %, 0.1 % with each feedback
+    python simulations/compression.py --ratios 0.015 --seeds 0 1 2 --feedbacks estimate
 
-(``key=value`` overrides first: ``--ratios`` and ``--seeds`` take every number after them.)
+(``key=value`` overrides first: ``--ratios``, ``--seeds`` and ``--feedbacks`` take every
+value after them.) ``--feedbacks``: ``residual`` (classic error feedback, runs named
+``topk-<ratio>``) and/or ``estimate`` (EF21, ``topk-ef21-<ratio>``).
 
 Writes OUT/{results.csv,table.md,config.json,compression.png} (OUT = --out,
 runs/compression by default); each run's folder is OUT/runs/<variant>-seed<N>, and
@@ -31,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simulations.common import parse_overrides  # noqa: E402
 
 from fedind.simulation import simulate  # noqa: E402
+
+
+# Run folder / table name of a top-k variant, by topk-feedback.
+VARIANT_NAME = {"residual": "topk-{ratio:g}", "estimate": "topk-ef21-{ratio:g}"}
 
 
 def run(config, name: str, out: Path) -> tuple[dict, list[dict]]:
@@ -63,6 +69,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.01, 0.001])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--feedbacks", nargs="+", choices=sorted(VARIANT_NAME), default=["residual", "estimate"],
+                        help="topk-feedback kinds to run at every ratio")
     parser.add_argument("--out", default="runs/compression")
     args, overrides = parser.parse_known_args(argv)
     base = parse_overrides(overrides)
@@ -70,7 +78,9 @@ def main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     variants = [("dense", replace(base, compression="none"))] + [
-        (f"topk-{ratio:g}", replace(base, compression="topk", topk_ratio=ratio)) for ratio in args.ratios
+        (VARIANT_NAME[feedback].format(ratio=ratio),
+         replace(base, compression="topk", topk_ratio=ratio, topk_feedback=feedback))
+        for feedback in args.feedbacks for ratio in args.ratios
     ]
     per_run: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for seed in args.seeds:
@@ -123,7 +133,8 @@ def _table(results: list[dict], base, seeds: list[int]) -> str:
     lines = [
         f"Target accuracy {base.target_accuracy}; {base.num_server_rounds} rounds, {base.num_sites} sites, "
         f"strategy {base.strategy}, seeds {', '.join(map(str, seeds))}; quantisation {base.topk_quantization}, "
-        f"sparsity warm-up {base.topk_warmup_rounds} rounds, residual decay {base.topk_residual_decay:g}.",
+        f"sparsity warm-up {base.topk_warmup_rounds} rounds, residual decay {base.topk_residual_decay:g} "
+        "(topk-*: classic error feedback; topk-ef21-*: EF21 estimates).",
         "",
         "| updates | uplink / round (mean) | vs dense | after warm-up | downlink / round | final acc. "
         "| final − dense | best acc. | rounds to target | compress CPU / train CPU |",

@@ -213,3 +213,26 @@ def test_the_site_agent_runs_state_mod_outermost():
     from fedind.clientapp import app
 
     assert app._mods[0] is state_mod  # Flower 1.42 keeps the mods list here
+
+
+def test_a_restarted_agent_keeps_its_ef21_estimate_in_step_with_the_server(tmp_path):
+    from fedind.transport import EstimateUplink
+
+    def ef21_instruction(g: dict, server_round: int) -> Message:
+        msg = instruction(g, server_round)
+        config = RunConfig(compression="topk", topk_ratio=0.05, topk_feedback="estimate").to_flower()
+        msg.content[wire.CONFIG][wire.RUN_CONFIG] = json.dumps(config)
+        return uplink.prepare(msg)
+
+    uplink, g = EstimateUplink(), arrays(0)
+    local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
+    first = context(tmp_path)
+    for r in (1, 2):
+        msg = ef21_instruction(g, r)
+        uplink(msg, agent(msg, first, local))
+        uplink.settle({7})
+    restarted = context(tmp_path)  # a new SuperNode process: the estimate comes back from disk
+    msg = ef21_instruction(g, 3)
+    reply = agent(msg, restarted, local)
+    assert reply.content[wire.TOPK_ESTIMATE][wire.TOKEN] == msg.content[wire.TOPK_ESTIMATE][wire.TOKEN] != ""
+    assert not uplink(msg, reply).has_error()

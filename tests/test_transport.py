@@ -139,7 +139,8 @@ def test_a_malformed_payload_becomes_an_error_reply_and_a_counted_failure():
 
 @pytest.mark.parametrize(
     "key, value",
-    [("topk-ratio", 0.0), ("topk-quantization", "fp8"), ("compression", "zip"), ("topk-warmup-rounds", -1)],
+    [("topk-ratio", 0.0), ("topk-quantization", "fp8"), ("compression", "zip"), ("topk-warmup-rounds", -1),
+     ("topk-feedback", "ef99")],
 )
 def test_invalid_compression_settings_fail_at_start(key, value):
     with pytest.raises(ValueError, match=key):
