@@ -145,6 +145,7 @@ __all__ = [
     "EstimateFeedback",
     "PayloadError",
     "SparseTensor",
+    "decayed",
     "decode",
     "dense_size_bytes",
     "dequantise",
@@ -561,6 +562,15 @@ def estimate_token(estimate: Mapping[str, np.ndarray]) -> str:
     return digest.hexdigest()[:16]
 
 
+def decayed(estimate: Mapping[str, np.ndarray], decay: float) -> dict[str, np.ndarray]:
+    """``decay * estimate`` in float32 (the same bits on the site and the server); the
+    estimate itself when ``decay`` is 1."""
+    if decay == 1.0:
+        return dict(estimate)
+    factor = np.float32(decay)
+    return {name: (value * factor).astype(np.float32, copy=False) for name, value in estimate.items()}
+
+
 class EstimateFeedback:
     r"""Site-side top-k with EF21 feedback (Richtárik, Sokolov, Fatkhullin 2021, "EF21: A
     New, Simpler, Theoretically Better, and Practically Faster Error Feedback").
@@ -581,6 +591,12 @@ class EstimateFeedback:
     and delays the rest. There is no residual: what was not sent is still in
     :math:`u - g` next round.
 
+    ``decay`` :math:`\gamma`: the estimate carried into the next round is :math:`\gamma g`
+    (:math:`s_t = Q(\mathrm{top}_k(u_t - \gamma g_{t-1}))`, :math:`g_t = \gamma g_{t-1} +
+    \hat s_t`); 1 is EF21 as published. Below 1, a part of a site's update that the
+    estimate no longer needs fades instead of being pushed every round until top-k gets to
+    correcting it (the server applies the same factor).
+
     Agreement: both sides fingerprint the estimate (:func:`estimate_token`, bit-identical
     float32 arithmetic on both). The server sends the token it holds; when it is not this
     site's (``""`` after a server restart, a rejected or lost reply, a new site), the site
@@ -589,8 +605,10 @@ class EstimateFeedback:
     i.e. a memoryless top-k compressor).
     """
 
-    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0) -> None:
+    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0, decay: float = 1.0) -> None:
         self._compressor = ErrorFeedback(mode=mode, threshold=threshold, seed=seed, decay=0.0)
+        ErrorFeedback(decay=decay)  # validates decay
+        self.decay = float(decay)
         self._estimate: dict[str, np.ndarray] = {}
         self.token = ""
 
@@ -600,6 +618,7 @@ class EstimateFeedback:
         estimate it is relative to (``""``: zeros, when ``server_token`` is not ours).
         The estimate and :attr:`token` move only if this succeeds."""
         base = self._estimate if (server_token and server_token == self.token) else {}
+        base = decayed(base, self.decay)
         if base:  # ErrorFeedback.compress validates the rest
             if not isinstance(update, Mapping) or set(update) != set(base) or any(
                 np.shape(update[n]) != base[n].shape for n in base

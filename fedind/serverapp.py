@@ -89,7 +89,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         strategy, transform = encrypted_server(config, num_sites, num_classes)
     else:
         strategy = build_strategy(config, num_sites, num_classes)
-        transform = EstimateUplink() if config.compression == "topk" and config.topk_feedback == "estimate" else densify_reply
+        ef21 = config.compression == "topk" and config.topk_feedback == "estimate"
+        transform = EstimateUplink(config.topk_estimate_decay) if ef21 else densify_reply
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")

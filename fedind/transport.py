@@ -27,6 +27,7 @@ from .compression import (
     ErrorFeedback,
     EstimateFeedback,
     PayloadError,
+    decayed,
     decode,
     encode,
     estimate_token,
@@ -45,7 +46,8 @@ REJECTED_PAYLOAD = 1001  # Error code of a site reply whose sparse payload was r
 
 def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedback | EstimateFeedback:
     if config.topk_feedback == "estimate":
-        feedback = EstimateFeedback(mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed)
+        feedback = EstimateFeedback(mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed,
+                                    decay=config.topk_estimate_decay)
         if ESTIMATE in context.state:
             estimate = {k: v.numpy() for k, v in context.state[ESTIMATE].items()}
             feedback.load_state_dict({"estimate": estimate, "step": int(context.state[FEEDBACK_STATE]["step"])})
@@ -144,7 +146,8 @@ class EstimateUplink:
     round of sparser, rougher estimates). Memory: one float32 model per site.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = float(decay)  # EstimateFeedback's decay: the sites use the same
         self.estimates: dict[int, dict[str, np.ndarray]] = {}
         self._tokens: dict[int, str] = {}
         self._pending: dict[int, dict[str, np.ndarray]] = {}
@@ -173,7 +176,7 @@ class EstimateUplink:
         if base == "":
             estimate = change
         elif base is not None and base == self._tokens.get(node):
-            held = self.estimates[node]
+            held = decayed(self.estimates[node], self.decay)
             estimate = {name: held[name] + change[name] for name in change}
         else:
             held = self._tokens.get(node, "")

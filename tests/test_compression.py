@@ -24,6 +24,7 @@ from fedind.compression import (
     PayloadError,
     SparseTensor,
     decode,
+    decayed,
     dense_size_bytes,
     dequantise,
     encode,
@@ -1041,8 +1042,9 @@ def _steady(seed: int) -> dict[str, np.ndarray]:
     return {"w": rng.standard_t(3, size=(40, 30)).astype(np.float32), "b": rng.normal(size=9).astype(np.float32)}
 
 
-def test_ef21_estimate_moves_by_exactly_what_was_sent_and_the_server_can_rebuild_it():
-    ef, update = EstimateFeedback("int8"), _steady(0)
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_ef21_estimate_moves_by_exactly_what_was_sent_and_the_server_can_rebuild_it(decay):
+    ef, update = EstimateFeedback("int8", decay=decay), _steady(0)
     server: dict[str, np.ndarray] = {}
     token = ""
     for _ in range(5):
@@ -1050,10 +1052,11 @@ def test_ef21_estimate_moves_by_exactly_what_was_sent_and_the_server_can_rebuild
         sparse, base = ef.compress(update, 0.05, token)
         sent = decode(encode(sparse), expected_of(update))
         assert base == token  # the site continues from the estimate the server named
-        for name in update:  # g_t = g_{t-1} + s_t, bit for bit
-            previous = before.get(name, np.zeros_like(update[name]))
+        carried = decayed(before, decay)
+        for name in update:  # g_t = decay * g_{t-1} + s_t, bit for bit
+            previous = carried.get(name, np.zeros_like(update[name]))
             np.testing.assert_array_equal(ef.state_dict()["estimate"][name], previous + sent[name])
-        server = {n: (server[n] + sent[n]) if base else sent[n] for n in update}
+        server = {n: (decayed(server, decay)[n] + sent[n]) if base else sent[n] for n in update}
         token = estimate_token(server)
         assert token == ef.token != ""
 
