@@ -114,6 +114,7 @@ def train(msg: Message, context: Context) -> Message:
         replay=replay,
         replay_ratio=config.replay_ratio if replay is not None else 0.0,
         penalty=received_penalty(msg, config),
+        grad_clip=config.local_grad_clip,
     )
     metrics = MetricRecord(
         {

@@ -44,6 +44,7 @@ class RunConfig:
     run_name: str = ""  # empty = <strategy>-<timestamp>
     target_accuracy: float = 0.75  # rounds-to-target is reported for this global accuracy
     local_momentum: float = 0.9  # site SGD momentum (reset every round)
+    local_grad_clip: float = 0.0  # site SGD: clip each step's gradient to this L2 norm (0 = off)
     logit_adjustment: float = 0.5  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
@@ -110,6 +111,7 @@ class RunConfig:
             "samples-per-site": self.samples_per_site >= 20,
             "target-accuracy": 0 < self.target_accuracy <= 1,
             "local-momentum": 0 <= self.local_momentum < 1,
+            "local-grad-clip": math.isfinite(self.local_grad_clip) and self.local_grad_clip >= 0,
             "logit-adjustment": math.isfinite(self.logit_adjustment) and self.logit_adjustment >= 0,
             "model-width": self.model_width >= 4 and self.model_width % 4 == 0,
             "proximal-mu": self.proximal_mu >= 0,

@@ -83,6 +83,7 @@ def train_local(
     replay: SiteArrays | None = None,
     replay_ratio: float = 0.0,
     penalty: Callable[[nn.Module], torch.Tensor] | None = None,
+    grad_clip: float = 0.0,
 ) -> TrainResult:
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
 
@@ -149,6 +150,8 @@ def train_local(
                 loss = loss + penalty(model)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()
             total += float(loss.detach())
             steps += 1

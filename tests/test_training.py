@@ -72,3 +72,25 @@ def test_adjustment_keeps_a_skewed_site_from_pushing_down_classes_it_never_sees(
     adjusted_drop = (start[2:] - adjusted[2:]).mean()
     assert plain_drop > 0.05
     assert abs(adjusted_drop) < 0.2 * plain_drop
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.5])
+def test_gradient_clipping_bounds_every_step(clip):
+    """Plain SGD (no momentum, no weight decay), one batch per step: with ``grad_clip`` no
+    step moves the weights further than ``lr * clip``; without it the first step does."""
+    data = _site([0, 1, 2, 3] * 4)
+
+    def steps(grad_clip: float) -> list[float]:
+        torch.manual_seed(0)
+        model = FaultCNN(in_channels=1, num_classes=4, width=8)
+        moves, before = [], [p.detach().clone() for p in model.parameters()]
+        for epoch in range(3):
+            train_local(model, data, epochs=1, batch_size=len(data.y), lr=0.1, seed=epoch,
+                        device=torch.device("cpu"), momentum=0.0, weight_decay=0.0, grad_clip=grad_clip)
+            after = [p.detach().clone() for p in model.parameters()]
+            moves.append(math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(after, before))))
+            before = after
+        return moves
+
+    assert max(steps(clip)) <= 0.1 * clip * (1 + 1e-5)
+    assert steps(0.0)[0] > 0.1 * clip
