@@ -49,6 +49,7 @@ def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
             seed=config.seed + step,
             device=device,
             momentum=config.local_momentum,
+            grad_clip=config.local_grad_clip,
         )
         curve.append(evaluate(model, test_set, device).accuracy)
         if log_every and (step + 1) % log_every == 0:

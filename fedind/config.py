@@ -44,7 +44,7 @@ class RunConfig:
     run_name: str = ""  # empty = <strategy>-<timestamp>
     target_accuracy: float = 0.75  # rounds-to-target is reported for this global accuracy
     local_momentum: float = 0.9  # site SGD momentum (reset every round)
-    local_grad_clip: float = 0.0  # site SGD: clip each step's gradient to this L2 norm (0 = off)
+    local_grad_clip: float = 1.0  # site SGD: clip each step's gradient to this L2 norm (0 = off)
     logit_adjustment: float = 0.5  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only

@@ -68,6 +68,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from . import wire
+from .metering import site_id_of
 
 __all__ = [
     "REJECTED_UPDATE", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update", "clip_factors",
@@ -258,7 +259,7 @@ class UpdateScreen:
             try:
                 delta = check_update(reply, sent, self.num_classes)
             except InvalidUpdate as err:
-                out[i] = _rejected(instruction, str(err))
+                out[i] = _rejected(instruction, str(err), reply)
                 continue
             claimed = next(iter(reply.content.metric_records.values()))[wire.NUM_EXAMPLES]  # checked above
             valid.append((i, _norm(delta), float(claimed)))
@@ -278,7 +279,7 @@ class UpdateScreen:
                         f"median {median:.4g}; robust rule z={self.z:g}, min ratio {self.min_ratio:g})"
                     )
         for i, reason in reasons.items():
-            out[i] = _rejected(instructions[out[i].metadata.src_node_id], reason)
+            out[i] = _rejected(instructions[out[i].metadata.src_node_id], reason, out[i])
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
                 if factor < 1.0 and i not in reasons:
@@ -295,5 +296,10 @@ def _clipped(instruction: Message, reply: Message, sent: Mapping[str, np.ndarray
     return Message(content, reply_to=instruction)
 
 
-def _rejected(instruction: Message, reason: str) -> Message:
-    return Message(Error(code=REJECTED_UPDATE, reason=f"rejected update: {reason}"), reply_to=instruction)
+def _rejected(instruction: Message, reason: str, reply: Message) -> Message:
+    """The error reply that replaces ``reply``; the reason names the site that sent it (the
+    site id in its reply, else its node), so the server log says who was screened out."""
+    return Message(
+        Error(code=REJECTED_UPDATE, reason=f"rejected update: {reason} (site {site_id_of(reply)})"),
+        reply_to=instruction,
+    )

@@ -116,6 +116,7 @@ def test_each_kind_of_bad_update_is_rejected_with_its_reason(kind):
     assert not any(r.has_error() for r in out[:-1])
     assert out[-1].has_error() and out[-1].error.code == REJECTED_UPDATE
     assert reason in out[-1].error.reason and out[-1].error.reason.startswith("rejected update:")
+    assert out[-1].error.reason.endswith(f"(site node-{out[-1].metadata.src_node_id})")  # who was screened out
 
 
 BAD_METRICS = {
