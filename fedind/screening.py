@@ -52,7 +52,7 @@ for every strategy — Flower's or fedind's):
    at c = 1).
 
 A rejected reply becomes an error reply (code :data:`REJECTED_UPDATE`) whose reason names
-the fault; strategies drop error replies and the server logs and counts them as failures,
+the fault and the site; strategies drop error replies and the server logs and counts them as failures,
 so the round goes on with the rest. What this does not catch: an update of ordinary norm
 pointing the wrong way (a sign-flipped site); the README's fault table reports what such a
 site costs, and ``simulations/poisoning.py`` how much it costs each strategy.
