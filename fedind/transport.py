@@ -101,13 +101,17 @@ def _rejected(instruction: Message, reason: str) -> Message:
     return Message(Error(code=REJECTED_PAYLOAD, reason=f"rejected sparse update: {reason}"), reply_to=instruction)
 
 
+def _sent_change(instruction: Message, reply: Message) -> dict[str, np.ndarray]:
+    """The dense float32 arrays the reply's ``sparse-update`` payload carries, checked
+    against the global arrays sent to that site; PayloadError naming the fault."""
+    return decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(instruction.content[wire.ARRAYS]))
+
+
 def _with_weights(instruction: Message, reply: Message, delta: dict[str, np.ndarray]) -> Message:
     """``reply`` carrying dense ``arrays`` = the global weights sent plus ``delta``, in
     place of its sparse payload (and estimate token)."""
-    sent = instruction.content[wire.ARRAYS]
-    dense = ArrayRecord(
-        {name: Array((sent[name].numpy() + delta[name]).astype(sent[name].numpy().dtype)) for name in sent}
-    )
+    sent = {name: array.numpy() for name, array in instruction.content[wire.ARRAYS].items()}
+    dense = ArrayRecord({name: Array((base + delta[name]).astype(base.dtype)) for name, base in sent.items()})
     dropped = (wire.SPARSE_UPDATE, wire.TOPK_ESTIMATE)
     content = RecordDict({name: record for name, record in reply.content.items() if name not in dropped})
     content[wire.ARRAYS] = dense
@@ -121,7 +125,7 @@ def densify_reply(instruction: Message, reply: Message) -> Message:
     if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
         return reply
     try:
-        delta = decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(instruction.content[wire.ARRAYS]))
+        delta = _sent_change(instruction, reply)
     except PayloadError as err:
         return _rejected(instruction, str(err))
     return _with_weights(instruction, reply, delta)
@@ -166,9 +170,8 @@ class EstimateUplink:
         if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
             return reply
         node = instruction.metadata.dst_node_id
-        sent = instruction.content[wire.ARRAYS]
         try:
-            change = decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(sent))
+            change = _sent_change(instruction, reply)
         except PayloadError as err:
             self._forget(node)
             return _rejected(instruction, str(err))

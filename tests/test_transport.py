@@ -10,7 +10,7 @@ from fedind import wire
 from fedind.compression import decode, expected_of, from_record
 from fedind.config import RunConfig
 from fedind.metering import MeteredGrid, payload_bytes
-from fedind.transport import REJECTED_PAYLOAD, densify_reply, topk_mod
+from fedind.transport import REJECTED_PAYLOAD, EstimateUplink, densify_reply, topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -164,8 +164,6 @@ def estimate_round(uplink, ctx, g: dict, local: dict, server_round: int, corrupt
 
 
 def test_ef21_site_and_server_hold_the_same_estimate_and_it_tracks_a_steady_update():
-    from fedind.transport import EstimateUplink
-
     uplink, ctx, g = EstimateUplink(), context(), arrays(0)
     update = arrays(1, 0.01)
     local = {k: g[k] + update[k] for k in g}
@@ -188,8 +186,6 @@ def test_ef21_site_and_server_hold_the_same_estimate_and_it_tracks_a_steady_upda
 
 
 def test_ef21_a_rejected_reply_makes_both_sides_start_again_from_zeros():
-    from fedind.transport import EstimateUplink
-
     uplink, ctx, g = EstimateUplink(), context(), arrays(0)
     local = {k: g[k] + arrays(1, 0.01)[k] for k in g}
     estimate_round(uplink, ctx, g, local, 1)
@@ -201,8 +197,6 @@ def test_ef21_a_rejected_reply_makes_both_sides_start_again_from_zeros():
 
 
 def test_ef21_a_site_that_lost_its_state_restarts_from_zeros_and_an_unknown_base_is_rejected():
-    from fedind.transport import REJECTED_PAYLOAD, EstimateUplink
-
     uplink, g = EstimateUplink(), arrays(0)
     local = {k: g[k] + arrays(1, 0.01)[k] for k in g}
     estimate_round(uplink, context(), g, local, 1)
@@ -221,8 +215,6 @@ def test_ef21_a_site_that_lost_its_state_restarts_from_zeros_and_an_unknown_base
 
 
 def test_ef21_instructions_get_their_own_token_without_touching_the_shared_content():
-    from fedind.transport import EstimateUplink
-
     uplink, g = EstimateUplink(), arrays(0)
     shared = instruction(g, compression="topk", topk_feedback="estimate").content
     messages = [Message(shared, message_type=MessageType.TRAIN, dst_node_id=n) for n in (7, 8)]
