@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from flwr.app import Message, RecordDict
 from flwr.common.serde import recorddict_to_proto
@@ -38,22 +39,49 @@ class Traffic:
     started: float = field(default_factory=time.monotonic)
 
 
+class ReplyTransform(Protocol):
+    """What :class:`MeteredGrid` does to a round's messages besides counting them."""
+
+    def prepare(self, message: Message) -> Message:
+        """Runs on every outgoing message, before its bytes are counted."""
+
+    def __call__(self, instruction: Message, reply: Message) -> Message:
+        """Runs on every reply after its bytes are counted (e.g. decoding a sparse update)."""
+
+    def settle(self, accepted: set[int]) -> None:
+        """Runs after the screen with the node ids whose replies were accepted."""
+
+
+class PerReply:
+    """A :class:`ReplyTransform` that only maps each reply: ``fn(instruction, reply) -> reply``."""
+
+    def __init__(self, fn: Callable[[Message, Message], Message]) -> None:
+        self._fn = fn
+
+    def prepare(self, message: Message) -> Message:
+        return message
+
+    def __call__(self, instruction: Message, reply: Message) -> Message:
+        return self._fn(instruction, reply)
+
+    def settle(self, accepted: set[int]) -> None:
+        pass
+
+
 class MeteredGrid(Grid):
     """Delegates to a Flower ``Grid``; records payload bytes, replies and failures."""
 
     def __init__(
         self,
         grid: Grid,
-        transform: Callable[[Message, Message], Message] | None = None,
+        transform: ReplyTransform | None = None,
         screen: Callable[[dict[int, Message], list[Message]], list[Message]] | None = None,
     ) -> None:
-        """``transform(instruction, reply) -> reply`` runs on every reply after its bytes are
-        counted (e.g. decoding a sparse update); then ``screen(instructions by node,
-        replies) -> replies`` sees the whole round (e.g. :class:`fedind.screening.UpdateScreen`).
-        An error reply either returns is a failure. A transform with per-site state
-        (:class:`fedind.transport.EstimateUplink`) may also have ``prepare(message) ->
-        message``, run on every outgoing message before its bytes are counted, and
-        ``settle(accepted node ids)``, run after the screen."""
+        """``transform`` (a :class:`ReplyTransform`, e.g. ``PerReply(densify_reply)`` or
+        :class:`fedind.transport.EstimateUplink`) prepares every outgoing message and maps
+        every reply; then ``screen(instructions by node, replies) -> replies`` sees the whole
+        round (e.g. :class:`fedind.screening.UpdateScreen`); then ``transform.settle`` learns
+        which replies were accepted. An error reply either returns is a failure."""
         self._grid = grid
         self._transform = transform
         self._screen = screen
@@ -66,9 +94,8 @@ class MeteredGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
-        prepare = getattr(self._transform, "prepare", None)
-        if prepare is not None:
-            messages = [prepare(message) for message in messages]
+        if self._transform is not None:
+            messages = [self._transform.prepare(message) for message in messages]
         for message in messages:
             self._traffic.downlink_bytes += payload_bytes(message.content)
         self._traffic.messages_sent += len(messages)
@@ -91,9 +118,8 @@ class MeteredGrid(Grid):
             replies.append(reply)
         if self._screen is not None:
             replies = self._screen(instructions, replies)
-        settle = getattr(self._transform, "settle", None)
-        if settle is not None:
-            settle({reply.metadata.src_node_id for reply in replies if not reply.has_error()})
+        if self._transform is not None:
+            self._transform.settle({reply.metadata.src_node_id for reply in replies if not reply.has_error()})
         for reply in replies:
             if reply.has_error():
                 instruction = _instruction_of(reply, by_id, instructions)

@@ -60,7 +60,7 @@ from .crypto import (
     save_keypair,
     weighted_sum,
 )
-from .metering import site_id_of
+from .metering import PerReply, site_id_of
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .screening import InvalidUpdate as InvalidReply
 from .screening import check_histogram
@@ -402,7 +402,7 @@ class SecureAggregation(Strategy):
 
 def encrypted_server(
     config: RunConfig, num_sites: int, num_classes: int
-) -> tuple[SecureAggregation, Callable[[Message, Message], Message]]:
+) -> tuple[SecureAggregation, PerReply]:
     """The strategy and reply check of an encrypted run; ConfigError (naming the key) when
     the public key cannot be used or the federation does not fit the encryption."""
     if not config.paillier_public_key:
@@ -429,7 +429,7 @@ def encrypted_server(
     strategy = SecureAggregation(
         inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes
     )
-    return strategy, check_encrypted_reply(key, config.paillier_clip)
+    return strategy, PerReply(check_encrypted_reply(key, config.paillier_clip))
 
 
 def provision_simulation_keys(config: RunConfig, folder: Path) -> RunConfig:

@@ -24,7 +24,7 @@ from .data.format import SiteArrays, validate_phases
 from .data.sources import check_data_root, global_test_set, phase_test_set, resolve_root
 from .data.synthetic import NUM_CLASSES
 from .expansion import head_classes
-from .metering import MeteredGrid, Traffic
+from .metering import MeteredGrid, PerReply, Traffic
 from .monitoring import RunMonitor, code_version
 from .models import FaultCNN
 from .screening import UpdateScreen
@@ -90,7 +90,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     else:
         strategy = build_strategy(config, num_sites, num_classes)
         ef21 = config.compression == "topk" and config.topk_feedback == "estimate"
-        transform = EstimateUplink(config.topk_estimate_decay) if ef21 else densify_reply
+        transform = EstimateUplink(config.topk_estimate_decay) if ef21 else PerReply(densify_reply)
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")

@@ -9,7 +9,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from fedind import wire
 from fedind.compression import decode, expected_of, from_record
 from fedind.config import RunConfig
-from fedind.metering import MeteredGrid, payload_bytes
+from fedind.metering import MeteredGrid, PerReply, payload_bytes
 from fedind.transport import REJECTED_PAYLOAD, EstimateUplink, densify_reply, topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
@@ -130,7 +130,7 @@ def test_a_malformed_payload_becomes_an_error_reply_and_a_counted_failure():
         def send_and_receive(self, messages, *, timeout=None):
             return [reply]
 
-    grid = MeteredGrid(OneSiteGrid(), transform=densify_reply)
+    grid = MeteredGrid(OneSiteGrid(), transform=PerReply(densify_reply))
     (out,) = grid.send_and_receive([msg])
     traffic = grid.take()
     assert out.has_error() and len(traffic.failures) == 1 and "rejected sparse update" in traffic.failures[0]
