@@ -2,18 +2,18 @@
 
 import numpy as np
 import pytest
-from flwr.app import MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedTrimmedAvg, FedAdam, FedAvg, FedAvgM, FedProx
 
 from fedind import wire
 from fedind.config import RunConfig
-from fedind.strategies import TrimmedFedAvgM, average_scalar_metrics, build_strategy
+from fedind.strategies import FedAdamKeepDtype, TrimmedFedAvgM, average_scalar_metrics, build_strategy
 from fedind.strategy import DWA
 
 
 @pytest.mark.parametrize(
     "name, kind",
-    [("fedavg", FedAvg), ("fedprox", FedProx), ("fedavgm", FedAvgM), ("fedadam", FedAdam), ("dwa", DWA),
+    [("fedavg", FedAvg), ("fedprox", FedProx), ("fedavgm", FedAvgM), ("fedadam", FedAdamKeepDtype), ("dwa", DWA),
      ("trimmedavgm", TrimmedFedAvgM)],
 )
 def test_build_strategy_by_name(name, kind):
@@ -42,3 +42,32 @@ def test_trimmedavgm_is_momentum_over_the_trimmed_mean():
     assert strategy.beta == 0.1 and strategy.server_momentum == 0.8
     with pytest.raises(ValueError, match="beta"):
         TrimmedFedAvgM(beta=0.5)
+
+
+class TwoNodes:
+    """All ``configure_train`` needs of a Grid."""
+
+    def get_node_ids(self):
+        return [1, 2]
+
+
+def test_fedadam_keeps_float32_weights_so_later_rounds_still_aggregate(flower_task_identity):
+    # Flower's FedAdam step returns float64 under NumPy 2; the server then rejected every
+    # float32 site reply from round 2 on and the model froze.
+    strategy = build_strategy(RunConfig(strategy="fedadam", min_sites=1), num_sites=2)
+    assert isinstance(strategy, FedAdam)  # Flower's, with its checkpointed moments
+    weights = np.zeros(4, dtype=np.float32)
+    for server_round in (1, 2, 3):
+        instructions = strategy.configure_train(
+            server_round, ArrayRecord({"w": Array(weights)}), ConfigRecord(), TwoNodes()
+        )
+        replies = [
+            Message(RecordDict({wire.ARRAYS: ArrayRecord({"w": Array(weights + np.float32(0.1 * (i + 1)))}),
+                                wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10})}), reply_to=message)
+            for i, message in enumerate(instructions)
+        ]
+        arrays, _ = strategy.aggregate_train(server_round, replies)
+        new = arrays["w"].numpy()
+        assert new.dtype == np.float32
+        assert np.all(new > weights)  # every site moved up, so does the server
+        weights = new
