@@ -37,13 +37,15 @@ class FedAdamKeepDtype(FedAdam):
     moves again (found by the convergence benchmark)."""
 
     def aggregate_train(self, server_round: int, replies) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        given = {name: np.asarray(array).dtype for name, array in (self.current_arrays or {}).items()}
+        given = {name: value.dtype for name, value in (self.current_arrays or {}).items()}
         arrays, metrics = super().aggregate_train(server_round, replies)
         if arrays is None:
             return arrays, metrics
-        kept = {name: array.numpy() for name, array in arrays.items()}
-        kept = {name: value.astype(given.get(name, value.dtype), copy=False) for name, value in kept.items()}
-        return ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in kept.items()}), metrics
+        kept = {}
+        for name, array in arrays.items():
+            value = array.numpy()
+            kept[name] = Array(np.ascontiguousarray(value.astype(given.get(name, value.dtype), copy=False)))
+        return ArrayRecord(kept), metrics
 
 
 def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = None) -> Strategy:
