@@ -96,6 +96,8 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
             server_momentum=config.server_momentum,
             restart=config.server_restart,
             conflict_damping=config.conflict_damping,
+            restart_agreement=config.restart_agreement,
+            class_heads=config.class_heads,
             num_classes=num_classes,
             **common,
         )

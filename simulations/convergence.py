@@ -43,6 +43,9 @@ VARIANTS: dict[str, dict] = {
     "DWA+conflict": {"strategy": "dwa", "conflict_buffer": True},
     # Ablation: the same without the KL weighting (example-count weights).
     "DWA+conflict-noKL": {"strategy": "dwa", "conflict_buffer": True, "dwa_weighting": False},
+    # Method candidates: per-class head rows; restart only where the sites agree.
+    "DWA+conflict+heads": {"strategy": "dwa", "conflict_buffer": True, "class_heads": True},
+    "DWA+conflict-gated": {"strategy": "dwa", "conflict_buffer": True, "restart_agreement": 0.5},
 }
 
 
