@@ -52,14 +52,10 @@ from .aggregation import (
     sign_agreement,
     weighted_mean,
 )
+# DWA reads the number of classes from HEAD_WEIGHT ([num_classes, features]) when none is given.
 from .expansion import HEAD_BIAS, HEAD_WEIGHT
 
 __all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
-
-# DWA reads the global model's number of classes from HEAD_WEIGHT ([num_classes, features],
-# FaultCNN's classifier) when none is given.
-
-# Share of coordinates whose server momentum restarted this round (train metrics).
 
 _STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
 
@@ -231,8 +227,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             return None
         if self.conflict_buffer:
             return RestartMomentum(
-            beta=self.server_momentum, restart=self.restart, restart_agreement=self.restart_agreement
-        )
+                beta=self.server_momentum, restart=self.restart, restart_agreement=self.restart_agreement
+            )
         return heavy_ball(self.server_momentum)
 
     # ------------------------------------------------------------------ Flower hooks
