@@ -23,14 +23,12 @@ __all__ = [
     "MomentumBuffer",
     "RestartMomentum",
     "agreement_gain",
-    "class_row_weights",
     "conflict_momentum_aggregate",
     "conflict_aware_aggregate",
     "dwa_weights",
     "kl_divergence",
     "sign_agreement",
     "split_conflicts",
-    "weighted_mean",
 ]
 
 
@@ -59,28 +57,6 @@ def _weights(weights, num_sites: int) -> np.ndarray:
     if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise ValueError(f"Invalid weights: {w.tolist()}")
     return w
-
-
-def _array_weights(weights, stack: np.ndarray) -> np.ndarray:
-    """Site weights broadcastable against ``stack`` (sites first): ``(n,)``, one weight per
-    site, or ``(n, rows)``, one per site and row of the array (:func:`class_row_weights`),
-    each row's weights with a positive sum."""
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim == 1:
-        w = _weights(w, stack.shape[0])
-    elif w.ndim != 2 or stack.ndim < 2 or w.shape != stack.shape[:2]:
-        raise ValueError(f"Invalid weights: shape {w.shape} fits neither ({stack.shape[0]},) nor {stack.shape[:2]}")
-    elif not np.all(np.isfinite(w)) or np.any(w < 0) or np.any(w.sum(axis=0) <= 0):
-        raise ValueError(f"Invalid weights: {w.tolist()}")
-    return w.reshape(w.shape + (1,) * (stack.ndim - w.ndim))
-
-
-def weighted_mean(arrays: Sequence[np.ndarray], weights) -> np.ndarray:
-    """``sum_i w_i d_i / sum_i w_i`` in float64, with per-site or per-site-and-row weights
-    (see :func:`_array_weights`)."""
-    stack = np.stack([np.asarray(a, dtype=np.float64) for a in arrays])
-    w = _array_weights(weights, stack)
-    return np.sum(w * stack, axis=0) / np.sum(w, axis=0)
 
 
 def _normalise(h: np.ndarray) -> np.ndarray | None:
@@ -249,38 +225,6 @@ def dwa_weights(
     return _apply_floor(w, floor * (n / n.sum()))
 
 
-def class_row_weights(weights, histograms) -> np.ndarray:
-    r"""Per-class weights for the classifier head's rows, shape ``(sites, classes)``.
-
-    With site weights :math:`w_i` (e.g. :func:`dwa_weights`) and site label distributions
-    :math:`\pi_{ic} = h_{ic} / \sum_k h_{ik}`:
-
-    .. math::  \omega_{ic} = \frac{w_i\, \pi_{ic}}{\sum_j w_j\, \pi_{jc}}
-
-    Row :math:`c` of the head (the logit of class :math:`c`) is averaged over the sites
-    that hold class :math:`c`, in proportion to how much of it they hold. Under label skew
-    a site without class :math:`c` barely moves row :math:`c` (with logit adjustment its
-    adjusted logit is far below the others), so the site-weighted mean shrinks the
-    update of a rare class's row by the share of sites that have it; here it is not
-    diluted. With FedAvg weights :math:`w_i \propto n_i` this is :math:`\omega_{ic}
-    \propto h_{ic}`, the class's examples. A class no site of the round holds keeps
-    the site weights :math:`w_i` (normalised). Every column sums to 1.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-        raise ValueError(f"Invalid weights: {np.asarray(weights).tolist()}")
-    if len(histograms) != w.size:
-        raise ValueError(f"Invalid histograms: {len(histograms)} histograms for {w.size} sites")
-    hists = [_histogram(h, f"histogram {i}") for i, h in enumerate(histograms)]
-    if len({h.size for h in hists}) != 1:
-        raise ValueError(f"Invalid histograms: lengths differ {sorted({h.size for h in hists})}")
-    prior = np.stack([h / h.sum() if h.sum() > 0 else np.zeros_like(h) for h in hists])
-    raw = w[:, None] * prior
-    total = raw.sum(axis=0)
-    fallback = np.repeat((w / w.sum())[:, None], prior.shape[1], axis=1)
-    return np.where(total > 0, raw / np.where(total > 0, total, 1.0), fallback)
-
-
 # --------------------------------------------------------------------------- conflicts
 
 
@@ -296,13 +240,12 @@ def sign_agreement(deltas: Sequence[np.ndarray], weights) -> np.ndarray:
     split evenly between up and down. A site whose delta is exactly 0 at a coordinate
     abstains (it is in neither sum) — with top-k sparsified updates most coordinates are
     zero for most sites, and silence is not disagreement. A coordinate no site moves has
-    agreement 1. ``weights`` need not be normalised; they may be per site and row (see
-    :func:`weighted_mean`).
+    agreement 1. ``weights`` need not be normalised.
     """
     if len(deltas) == 0:
         raise ValueError("Invalid deltas: need at least one site")
     stack = np.stack([np.asarray(d, dtype=np.float64) for d in deltas])
-    w = _array_weights(weights, stack)
+    w = _weights(weights, stack.shape[0]).reshape((-1,) + (1,) * (stack.ndim - 1))
     signs = np.sign(stack)
     voting = np.sum(w * np.abs(signs), axis=0)
     net = np.abs(np.sum(w * signs, axis=0))
@@ -415,11 +358,8 @@ class MomentumBuffer:
 
 
 
-def _per_array(
-    deltas: Sequence[Mapping[str, np.ndarray]], weights, row_weights: Mapping[str, np.ndarray] | None = None
-) -> dict:
-    """Per array name: the sites' arrays, their weights (``row_weights[name]`` where given,
-    else ``weights``) and the result dtype."""
+def _per_array(deltas: Sequence[Mapping[str, np.ndarray]], weights) -> tuple[np.ndarray, dict]:
+    """Validated weights, and per array name the sites' arrays and the result dtype."""
     if len(deltas) == 0:
         raise ValueError("Invalid deltas: need at least one site")
     w = _weights(weights, len(deltas))
@@ -427,30 +367,24 @@ def _per_array(
     for i, d in enumerate(deltas):
         if set(d) != set(names):
             raise ValueError(f"Invalid delta of site {i}: names {sorted(d)} != {sorted(names)}")
-    unknown = sorted(set(row_weights or {}) - set(names))
-    if unknown:
-        raise ValueError(f"Invalid row_weights: no array named {unknown}")
     by_name = {}
     for name in names:
         arrays = [np.asarray(d[name]) for d in deltas]
         shapes = {a.shape for a in arrays}
         if len(shapes) != 1:
             raise ValueError(f"Invalid deltas[{name!r}]: shapes differ across sites {shapes}")
-        weights_here = w if row_weights is None or name not in row_weights else row_weights[name]
-        by_name[name] = (arrays, weights_here, np.result_type(*(a.dtype for a in arrays), np.float32))
-    return by_name
+        by_name[name] = (arrays, np.result_type(*(a.dtype for a in arrays), np.float32))
+    return w, by_name
 
 def conflict_aware_aggregate(
     deltas: Sequence[Mapping[str, np.ndarray]],
     weights,
     buffer: MomentumBuffer,
     threshold: float,
-    row_weights: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     r"""Weighted mean of the sites' deltas, conflicting coordinates through ``buffer``.
 
-    Per array name: :math:`\bar d = \sum_i w_i d_i / \sum_i w_i` (:func:`weighted_mean`;
-    ``row_weights[name]``, shape ``(sites, rows)``, replaces :math:`w` for that array),
+    Per array name: :math:`\bar d = \sum_i w_i d_i / \sum_i w_i` (``np.average``),
     :math:`A` = :func:`sign_agreement`, split at ``threshold`` (:func:`split_conflicts`),
     and the returned delta is
 
@@ -460,10 +394,10 @@ def conflict_aware_aggregate(
     site (its agreement is 1 everywhere). 0-dim arrays work like any other. The result has
     each array's input dtype.
     """
-    by_name = _per_array(deltas, weights, row_weights)
+    w, by_name = _per_array(deltas, weights)
     agreeing, conflicting, dtypes = {}, {}, {}
-    for name, (arrays, w, dtypes[name]) in by_name.items():
-        mean = weighted_mean(arrays, w)
+    for name, (arrays, dtypes[name]) in by_name.items():
+        mean = np.average(np.stack(arrays), axis=0, weights=w)
         agreeing[name], conflicting[name] = split_conflicts(
             mean, sign_agreement(arrays, w), threshold
         )
@@ -580,15 +514,12 @@ def conflict_momentum_aggregate(
     momentum: RestartMomentum,
     threshold: float,
     damping: float = 1.0,
-    row_weights: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     r"""Weighted mean of the sites' deltas through conflict-aware server momentum.
 
-    Per array name: :math:`\bar d = \sum_i w_i d_i / \sum_i w_i` (:func:`weighted_mean`;
-    ``row_weights[name]``, shape ``(sites, rows)``, replaces :math:`w` for that array),
-    :math:`A` = :func:`sign_agreement`, :math:`g` = :func:`agreement_gain` (``threshold``,
-    ``damping``) and :math:`\Delta = \mathrm{momentum.step}(\bar d, g, A)`
-    (:class:`RestartMomentum`).
+    Per array name: :math:`\bar d = \sum_i w_i d_i / \sum_i w_i`, :math:`A` =
+    :func:`sign_agreement`, :math:`g` = :func:`agreement_gain` (``threshold``, ``damping``)
+    and :math:`\Delta = \mathrm{momentum.step}(\bar d, g, A)` (:class:`RestartMomentum`).
 
     Unlike :func:`conflict_aware_aggregate` with an agreement buffer, every coordinate goes
     through ONE buffer: splitting agreeing coordinates (amplified up to :math:`1/(1-\beta)`)
@@ -596,10 +527,10 @@ def conflict_momentum_aggregate(
     overshoot into the damped buffer while the amplified one keeps pushing — in fedind's
     default run that drove the model to chance level. The result has each array's input dtype.
     """
-    by_name = _per_array(deltas, weights, row_weights)
+    w, by_name = _per_array(deltas, weights)
     means, gains, agreements, dtypes = {}, {}, {}, {}
-    for name, (arrays, w, dtypes[name]) in by_name.items():
-        means[name] = weighted_mean(arrays, w)
+    for name, (arrays, dtypes[name]) in by_name.items():
+        means[name] = np.average(np.stack(arrays), axis=0, weights=w)
         agreements[name] = sign_agreement(arrays, w)
         gains[name] = agreement_gain(agreements[name], threshold, damping)
     step = momentum.step(means, gains, agreements)

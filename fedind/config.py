@@ -63,7 +63,6 @@ class RunConfig:
     server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
     restart_agreement: float = 0.0  # dwa: restart a coordinate only where the sites' sign agreement is at least this (0 = wherever the mean opposes the buffer)
-    class_heads: bool = False  # dwa: average each class's head row over the sites holding that class (per-class weights)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
     topk_quantization: str = "int4"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
@@ -250,11 +249,6 @@ class RunConfig:
             raise ConfigError(
                 f"Invalid run config restart-agreement = {self.restart_agreement!r}: {why}, so the per-site "
                 f"sign agreement it needs is hidden; set restart-agreement = 0.0"
-            )
-        if self.strategy == "dwa" and self.class_heads:
-            raise ConfigError(
-                f"Invalid run config class-heads = true: {why}, so each class's head row cannot be "
-                f"weighted by the sites that hold the class; set class-heads = false"
             )
         if self.phases > 1:
             raise ConfigError(

@@ -97,7 +97,6 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
             restart=config.server_restart,
             conflict_damping=config.conflict_damping,
             restart_agreement=config.restart_agreement,
-            class_heads=config.class_heads,
             num_classes=num_classes,
             **common,
         )

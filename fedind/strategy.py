@@ -44,18 +44,18 @@ from .aggregation import (
     GlobalHistogram,
     MomentumBuffer,
     RestartMomentum,
-    class_row_weights,
     conflict_aware_aggregate,
     conflict_momentum_aggregate,
     dwa_weights,
     heavy_ball,
     sign_agreement,
-    weighted_mean,
 )
-# DWA reads the number of classes from HEAD_WEIGHT ([num_classes, features]) when none is given.
-from .expansion import HEAD_BIAS, HEAD_WEIGHT
 
 __all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
+
+# FaultCNN's classifier weight ([num_classes, features]; see models.FaultCNN.from_state_dict):
+# where DWA reads the global model's number of classes when none is given.
+HEAD_WEIGHT = "head.weight"
 
 _STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
 
@@ -127,10 +127,6 @@ class DWA(FedAvg):
     restart_agreement : float
         :math:`\rho \in [0, 1]`, with ``restart``: restart a coordinate only where the sites'
         sign agreement is at least :math:`\rho` (0 = wherever the mean opposes the buffer).
-    class_heads : bool
-        Average each row of the classifier head (``head.weight``, ``head.bias``) with
-        per-class weights :func:`~fedind.aggregation.class_row_weights` (the sites that hold
-        the class, in proportion); needs every site's histogram, else the site weights.
     conflict_damping : float
         :math:`\gamma \in [0, 1]`, with server momentum and ``conflict_buffer``: what enters
         the buffer is scaled by :math:`\gamma + (1-\gamma)\min(1, A/\tau)` (1 = no damping).
@@ -157,7 +153,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         restart: bool = True,
         conflict_damping: float = 1.0,
         restart_agreement: float = 0.0,
-        class_heads: bool = False,
         num_classes: int | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
@@ -167,9 +162,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
         evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
     ) -> None:
-        flags = (("weighting", weighting), ("conflict_buffer", conflict_buffer), ("restart", restart),
-                 ("class_heads", class_heads))
-        for name, value in flags:
+        for name, value in (("weighting", weighting), ("conflict_buffer", conflict_buffer), ("restart", restart)):
             if not isinstance(value, bool):
                 raise ValueError(f"Invalid {name} value: {value!r} (expected True or False)")
         if not (_is_real(temperature) and temperature > 0):
@@ -217,7 +210,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.restart = restart
         self.conflict_damping = float(conflict_damping)
         self.restart_agreement = float(restart_agreement)
-        self.class_heads = class_heads
         self.server_buffer = self._new_server_buffer()
         self._fallback_logged = False
 
@@ -287,19 +279,21 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             return None, None
 
         weights = self._weights(updates, self.global_histogram)
-        rows = self._row_weights(updates, weights, current)
         deltas = [
             {name: u.arrays[name].astype(np.float64) - current[name].astype(np.float64) for name in current}
             for u in updates
         ]
         if self.conflict_buffer and isinstance(self.server_buffer, RestartMomentum):
             step = conflict_momentum_aggregate(
-                deltas, weights, self.server_buffer, self.threshold, self.conflict_damping, rows
+                deltas, weights, self.server_buffer, self.threshold, self.conflict_damping
             )
         elif self.conflict_buffer:
-            step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold, rows)
+            step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold)
         else:
-            step = {name: weighted_mean([d[name] for d in deltas], rows.get(name, weights)) for name in current}
+            step = {
+                name: np.average(np.stack([d[name] for d in deltas]), axis=0, weights=weights)
+                for name in current
+            }
             if self.server_buffer is not None:
                 step = self.server_buffer.step(step)
         new = ArrayRecord(
@@ -308,7 +302,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.current_arrays = new
 
         metrics = self._aggregate_metrics(updates)
-        metrics[wire.CONFLICT_SHARE] = self._conflict_share(deltas, weights, rows)
+        metrics[wire.CONFLICT_SHARE] = self._conflict_share(deltas, weights)
         metrics[wire.DWA_WEIGHT_MIN] = float(weights.min())
         metrics[wire.DWA_WEIGHT_MAX] = float(weights.max())
         if isinstance(self.server_buffer, RestartMomentum):
@@ -414,20 +408,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             floor=self.floor,
         )
 
-    def _row_weights(
-        self, updates: list[SiteUpdate], weights: np.ndarray, current: Mapping[str, np.ndarray]
-    ) -> dict[str, np.ndarray]:
-        """With ``class_heads``: :func:`~fedind.aggregation.class_row_weights` for the head's
-        weight and bias (one row per class), when every site sent its histogram; else {}."""
-        if not self.class_heads or any(u.histogram is None for u in updates):
-            return {}
-        per_class = class_row_weights(weights, [u.histogram for u in updates])
-        return {
-            name: per_class
-            for name in (HEAD_WEIGHT, HEAD_BIAS)
-            if name in current and current[name].ndim >= 1 and current[name].shape[0] == per_class.shape[1]
-        }
-
     def _aggregate_metrics(self, updates: list[SiteUpdate]) -> MetricRecord:
         """Scalar metrics that every reply carries, through ``train_metrics_aggr_fn``."""
         keys = set.intersection(
@@ -439,13 +419,11 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         ]
         return self.train_metrics_aggr_fn(records, self.weighted_by_key)
 
-    def _conflict_share(
-        self, deltas: list[dict[str, np.ndarray]], weights: np.ndarray, rows: Mapping[str, np.ndarray]
-    ) -> float:
+    def _conflict_share(self, deltas: list[dict[str, np.ndarray]], weights: np.ndarray) -> float:
         """Coordinates with weighted sign agreement below ``threshold`` / all coordinates."""
         flagged = total = 0
         for name in deltas[0]:
-            agreement = sign_agreement([d[name] for d in deltas], rows.get(name, weights))
+            agreement = sign_agreement([d[name] for d in deltas], weights)
             flagged += int(np.count_nonzero(agreement < self.threshold))
             total += agreement.size
         return flagged / total if total else 0.0

@@ -43,8 +43,7 @@ VARIANTS: dict[str, dict] = {
     "DWA+conflict": {"strategy": "dwa", "conflict_buffer": True},
     # Ablation: the same without the KL weighting (example-count weights).
     "DWA+conflict-noKL": {"strategy": "dwa", "conflict_buffer": True, "dwa_weighting": False},
-    # Method candidates: per-class head rows; restart only where the sites agree.
-    "DWA+conflict+heads": {"strategy": "dwa", "conflict_buffer": True, "class_heads": True},
+    # Candidate: restart a coordinate's momentum only where the sites agree it overshot.
     "DWA+conflict-gated": {"strategy": "dwa", "conflict_buffer": True, "restart_agreement": 0.5},
 }
 

@@ -442,87 +442,12 @@ def test_heavy_ball_is_fedavgm_momentum():
     assert heavy_ball(0.0) is None
 
 
-# --------------------------------------------------------------------------- per-class head rows
-
-
-def test_class_row_weights_formula_and_column_sums():
-    from fedind.aggregation import class_row_weights
-
-    w = np.array([0.5, 0.25, 0.25])
-    hists = [[8, 2, 0], [0, 5, 5], [0, 0, 0]]  # site 2: no data (all-zero histogram)
-    got = class_row_weights(w, hists)
-    # omega_ic = w_i pi_ic / sum_j w_j pi_jc; class 0 only at site 0
-    expected = np.array([[1.0, 0.1 / 0.225, 0.0], [0.0, 0.125 / 0.225, 1.0], [0.0, 0.0, 0.0]])
-    np.testing.assert_allclose(got, expected)
-    np.testing.assert_allclose(got.sum(axis=0), 1.0)
-
-
-def test_class_row_weights_with_fedavg_weights_are_class_counts():
-    from fedind.aggregation import class_row_weights
-
-    hists = np.array([[6, 2, 0, 0], [1, 1, 2, 0]])
-    n = hists.sum(axis=1)
-    got = class_row_weights(n / n.sum(), hists)
-    # a class no site holds (column 3) keeps the site weights
-    np.testing.assert_allclose(got[:, :3], hists[:, :3] / hists[:, :3].sum(axis=0))
-    np.testing.assert_allclose(got[:, 3], n / n.sum())
-
-
-def test_class_row_weights_equal_histograms_give_the_site_weights():
-    from fedind.aggregation import class_row_weights
-
-    w = np.array([0.2, 0.3, 0.5])
-    got = class_row_weights(w, [[1, 3], [2, 6], [5, 15]])
-    np.testing.assert_allclose(got, np.repeat(w[:, None], 2, axis=1))
-
-
-@pytest.mark.parametrize(
-    "weights, hists, message",
-    [([1.0], [[1, 2], [3, 4]], "histograms"), ([1.0, -1.0], [[1], [1]], "weights"),
-     ([1.0, 1.0], [[1, 2], [3]], "lengths"), ([1.0, 1.0], [[1, -2], [3, 1]], "non-negative")],
-)
-def test_class_row_weights_rejects_bad_input(weights, hists, message):
-    from fedind.aggregation import class_row_weights
-
-    with pytest.raises(ValueError, match=message):
-        class_row_weights(weights, hists)
-
-
-def test_weighted_mean_and_agreement_with_row_weights():
-    from fedind.aggregation import weighted_mean
-
-    # two sites, a [2 rows, 2 cols] array; row 0 only from site 0, row 1 half and half
-    a = [np.array([[1.0, 2.0], [1.0, -1.0]]), np.array([[-5.0, 7.0], [3.0, 1.0]])]
-    rows = np.array([[1.0, 0.5], [0.0, 0.5]])
-    np.testing.assert_allclose(weighted_mean(a, rows), [[1.0, 2.0], [2.0, 0.0]])
-    np.testing.assert_allclose(sign_agreement(a, rows), [[1.0, 1.0], [1.0, 0.0]])
-    # per-site weights: np.average
-    np.testing.assert_allclose(weighted_mean(a, [3, 1]), np.average(np.stack(a), axis=0, weights=[3, 1]))
-    with pytest.raises(ValueError, match="fits neither"):
-        weighted_mean(a, np.ones((2, 3)))
-    with pytest.raises(ValueError, match="Invalid weights"):
-        weighted_mean(a, np.array([[1.0, 0.0], [0.0, 0.0]]))  # row 1: weights sum to 0
-
-
-def test_conflict_momentum_aggregate_takes_row_weights_for_named_arrays():
-    from fedind.aggregation import RestartMomentum, conflict_momentum_aggregate
-
-    deltas = [{"head": np.array([2.0, 2.0]), "body": np.array([2.0])},
-              {"head": np.array([4.0, -4.0]), "body": np.array([4.0])}]
-    rows = {"head": np.array([[1.0, 0.0], [0.0, 1.0]])}
-    out = conflict_momentum_aggregate(deltas, [1, 1], RestartMomentum(beta=0.5, restart=False), 0.0, row_weights=rows)
-    np.testing.assert_allclose(out["head"], [2.0, -4.0])  # row 0 from site 0, row 1 from site 1
-    np.testing.assert_allclose(out["body"], [3.0])  # the site weights
-    with pytest.raises(ValueError, match="no array named"):
-        conflict_momentum_aggregate(deltas, [1, 1], RestartMomentum(), 0.0, row_weights={"tail": np.ones((2, 1))})
-
-
 def test_restart_only_where_the_sites_agree():
     from fedind.aggregation import RestartMomentum
 
     m = RestartMomentum(beta=0.5, restart_agreement=0.6)
     m.step({"w": np.array([1.0, 1.0])})
-    # both coordinates now oppose the buffer; only coordinate 0 has the sites agreeing
+    # both coordinates now oppose the buffer; only at coordinate 0 do the sites agree
     out = m.step({"w": np.array([-1.0, -1.0])}, agreement={"w": np.array([0.8, 0.2])})
     np.testing.assert_allclose(out["w"], [-1.0, 0.5 - 1.0])  # 0 restarts, 1 keeps its momentum
     assert m.last_restart_share == pytest.approx(0.5)
@@ -531,3 +456,16 @@ def test_restart_only_where_the_sites_agree():
     np.testing.assert_allclose(out["w"], [1.0, 1.0])
     with pytest.raises(ValueError, match="restart_agreement"):
         RestartMomentum(restart_agreement=1.5)
+
+
+def test_conflict_momentum_aggregate_gates_the_restart_by_the_sites_agreement():
+    from fedind.aggregation import RestartMomentum, conflict_momentum_aggregate
+
+    m = RestartMomentum(beta=0.5, restart_agreement=0.9)
+    first = [{"w": np.array([1.0, 1.0])}, {"w": np.array([1.0, 1.0])}]
+    conflict_momentum_aggregate(first, [1, 1], m, threshold=0.0)
+    # coordinate 0: both sites reverse (agreement 1, restarts); 1: split +1 / -3 (mean -1,
+    # agreement 0: keeps its momentum 0.5 * 1)
+    second = [{"w": np.array([-1.0, 1.0])}, {"w": np.array([-1.0, -3.0])}]
+    out = conflict_momentum_aggregate(second, [1, 1], m, threshold=0.0)
+    np.testing.assert_allclose(out["w"], [-1.0, 0.5 - 1.0])

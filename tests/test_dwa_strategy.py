@@ -594,30 +594,3 @@ def test_conflict_aware_server_momentum_is_one_restarting_buffer():
     np.testing.assert_allclose(restored.server_buffer.state_dict()["buffers"]["w"], v, rtol=1e-6)
     with pytest.raises(ValueError, match="conflict_damping"):
         dwa(conflict_damping=1.5)
-
-
-# --------------------------------------------------------------------------- per-class head rows
-
-
-def test_class_heads_average_each_head_row_over_the_sites_holding_the_class():
-    # Three classes; a holds classes 0 and 1, b only class 2. Head row c moves by the
-    # class-weighted mean (here: only its holders), the body by the site-weighted mean.
-    zero = {"head.weight": np.zeros((3, 2), np.float32), "head.bias": np.zeros(3, np.float32),
-            "body": np.zeros(2, np.float32)}
-    a = {"head.weight": np.full((3, 2), 1.0, np.float32), "head.bias": np.full(3, 1.0, np.float32),
-         "body": np.full(2, 1.0, np.float32)}
-    b = {"head.weight": np.full((3, 2), 3.0, np.float32), "head.bias": np.full(3, 3.0, np.float32),
-         "body": np.full(2, 3.0, np.float32)}
-    sites = [Site(a, 10, [5, 5, 0], "a"), Site(b, 10, [0, 0, 10], "b")]
-    arrays, _, _ = run_round(dwa(weighting=False, conflict_buffer=False, class_heads=True), zero, sites)
-    got = as_numpy(arrays)
-    np.testing.assert_allclose(got["head.bias"], [1.0, 1.0, 3.0])
-    np.testing.assert_allclose(got["head.weight"], [[1.0, 1.0], [1.0, 1.0], [3.0, 3.0]])
-    np.testing.assert_allclose(got["body"], [2.0, 2.0])
-    # off: every array takes the site-weighted mean
-    arrays, _, _ = run_round(dwa(weighting=False, conflict_buffer=False), zero, sites)
-    np.testing.assert_allclose(as_numpy(arrays)["head.bias"], [2.0, 2.0, 2.0])
-    # a site without a histogram: site weights for the head too (no class information)
-    sites[1].histogram = None
-    arrays, _, _ = run_round(dwa(weighting=False, conflict_buffer=False, class_heads=True), zero, sites)
-    np.testing.assert_allclose(as_numpy(arrays)["head.bias"], [2.0, 2.0, 2.0])
