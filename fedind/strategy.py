@@ -51,11 +51,10 @@ from .aggregation import (
     sign_agreement,
 )
 
-__all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
+# DWA reads the number of classes from HEAD_WEIGHT ([num_classes, features]) when none is given.
+from .expansion import HEAD_WEIGHT
 
-# FaultCNN's classifier weight ([num_classes, features]; see models.FaultCNN.from_state_dict):
-# where DWA reads the global model's number of classes when none is given.
-HEAD_WEIGHT = "head.weight"
+__all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
 
 _STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
 
