@@ -62,7 +62,7 @@ class RunConfig:
     conflict_momentum: float = 0.9  # dwa without server momentum: beta of the conflict buffer
     server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
-    restart_agreement: float = 0.0  # dwa: restart a coordinate only where the sites' sign agreement is at least this (0 = wherever the mean opposes the buffer)
+    restart_agreement: float = 0.5  # dwa: restart a coordinate only where the sites' sign agreement is at least this (0 = wherever the mean opposes the buffer)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
     topk_quantization: str = "int4"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
@@ -245,11 +245,8 @@ class RunConfig:
                 f"Invalid run config conflict-damping = {self.conflict_damping!r}: {why}, so the per-site "
                 f"sign agreement it needs is hidden; set conflict-damping = 1.0"
             )
-        if self.strategy == "dwa" and self.conflict_buffer and self.restart_agreement > 0:
-            raise ConfigError(
-                f"Invalid run config restart-agreement = {self.restart_agreement!r}: {why}, so the per-site "
-                f"sign agreement it needs is hidden; set restart-agreement = 0.0"
-            )
+        # restart-agreement needs no check: DWA sees one (aggregate) reply, whose agreement is
+        # 1 everywhere, so its restart is the ungated one (as with restart-agreement = 0).
         if self.phases > 1:
             raise ConfigError(
                 f"Invalid run config phases = {self.phases}: {why}; continual learning needs each site's "

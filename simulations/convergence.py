@@ -40,11 +40,12 @@ VARIANTS: dict[str, dict] = {
     "FedAvgM": {"strategy": "fedavgm"},
     "FedAdam": {"strategy": "fedadam"},
     "DWA": {"strategy": "dwa", "conflict_buffer": False},
-    "DWA+conflict": {"strategy": "dwa", "conflict_buffer": True},
-    # Ablation: the same without the KL weighting (example-count weights).
-    "DWA+conflict-noKL": {"strategy": "dwa", "conflict_buffer": True, "dwa_weighting": False},
-    # Candidate: restart a coordinate's momentum only where the sites agree it overshot.
-    "DWA+conflict-gated": {"strategy": "dwa", "conflict_buffer": True, "restart_agreement": 0.5},
+    "DWA+conflict": {"strategy": "dwa", "conflict_buffer": True, "restart_agreement": 0.5},  # the dwa defaults
+    # Ablations: the restart wherever the mean opposes the momentum (the default before
+    # 2026-12-01), and that without the KL weighting (example-count weights).
+    "DWA+conflict-eager": {"strategy": "dwa", "conflict_buffer": True, "restart_agreement": 0.0},
+    "DWA+conflict-eager-noKL": {"strategy": "dwa", "conflict_buffer": True, "restart_agreement": 0.0,
+                                "dwa_weighting": False},
 }
 
 

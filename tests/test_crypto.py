@@ -315,7 +315,6 @@ def test_cli_writes_the_pair_and_never_overwrites(tmp_path, capsys, monkeypatch)
         (dict(compression="topk"), "compression"),
         (dict(strategy="dwa", conflict_buffer=True, server_momentum=0.0), "conflict-buffer"),
         (dict(strategy="dwa", conflict_damping=0.5), "conflict-damping"),
-        (dict(strategy="dwa", restart_agreement=0.5), "restart-agreement"),
         (dict(num_sites=1), "num-sites"),
         (dict(num_sites=3, fraction_train=0.2), "num-sites"),
         (dict(paillier_clip=0.0), "paillier-clip"),
