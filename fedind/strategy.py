@@ -245,7 +245,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             INFO,
             "\t│\t├── Server momentum: %s%s",
             self.server_momentum or "OFF",
-            f" (conflict-aware: restart {'ON' if self.restart else 'OFF'}, damping {self.conflict_damping})"
+            f" (conflict-aware: restart {'ON' if self.restart else 'OFF'} where sign agreement >= "
+            f"{self.restart_agreement}, damping {self.conflict_damping})"
             if self.server_momentum and self.conflict_buffer
             else "",
         )

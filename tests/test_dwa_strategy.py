@@ -19,7 +19,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedind import wire
-from fedind.aggregation import GlobalHistogram, dwa_weights
+from fedind.aggregation import GlobalHistogram, RestartMomentum, dwa_weights
 from fedind.config import RunConfig
 from fedind.strategies import build_strategy
 from fedind.strategy import DWA
@@ -502,6 +502,9 @@ def test_build_strategy_makes_dwa_from_the_run_config():
     assert (strategy.weighting, strategy.temperature, strategy.floor) == (False, 2.0, 0.3)
     assert (strategy.conflict_buffer, strategy.threshold, strategy.momentum) == (False, 0.4, 0.5)
     assert strategy.num_classes == 7 and strategy.min_available_nodes == 1
+    # the default dwa: restart momentum gated by the sites' agreement
+    restart = build_strategy(RunConfig(strategy="dwa"), num_sites=4, num_classes=7).server_buffer
+    assert isinstance(restart, RestartMomentum) and restart.restart_agreement == 0.5
 
 
 def test_summary_logs_the_settings(flwr_log):
