@@ -6,7 +6,8 @@ learning rate, top-k warm-up) which round it is. This loop makes the same calls 
 order (configure_train, send_and_receive, aggregate_train, configure_evaluate,
 send_and_receive, aggregate_evaluate, evaluate_fn), starting at ``first_round``, and adds two
 things a plant needs: a round with fewer than ``min_sites`` successful replies leaves the
-global model unchanged, and ``after_round`` runs after every round (the checkpoint).
+global model unchanged, ``after_round`` runs after every round (the checkpoint), and the
+aggregate keeps the global model's dtypes (:func:`in_dtypes_of`).
 
 Two optional hooks serve continual learning (:mod:`fedind.continual`): ``train_records``
 adds records to every train message of a round (EWC Fisher and anchors), and
@@ -20,10 +21,30 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from logging import INFO, WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
+
+
+def in_dtypes_of(arrays: ArrayRecord, reference: ArrayRecord) -> ArrayRecord:
+    """``arrays`` with each array cast to the dtype of ``reference``'s array of the same name
+    (names only in ``arrays`` keep theirs); ``arrays`` itself when nothing differs.
+
+    A strategy's step can promote dtypes: Flower's FedAdam multiplies by a numpy float64
+    scalar, which under NumPy 2 turns float32 weights into float64. Sent on, that model made
+    every site's float32 reply fail the server's dtype check from round 2 on, and the run froze.
+    """
+    dtypes = {name: array.dtype for name, array in reference.items()}
+    if all(dtypes.get(name, array.dtype) == array.dtype for name, array in arrays.items()):
+        return arrays
+    return ArrayRecord(
+        {
+            name: Array(np.ascontiguousarray(array.numpy().astype(dtypes.get(name, array.dtype), copy=False)))
+            for name, array in arrays.items()
+        }
+    )
 
 
 def run_rounds(
@@ -68,7 +89,7 @@ def run_rounds(
         else:
             new_arrays, _ = strategy.aggregate_train(server_round, replies)
             if new_arrays is not None:
-                arrays = new_arrays
+                arrays = in_dtypes_of(new_arrays, arrays)
         if end_of_round is not None:
             arrays = end_of_round(server_round, arrays, replies)
         evaluate_replies = grid.send_and_receive(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, Krum, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
@@ -26,26 +26,6 @@ class TrimmedFedAvgM(FedAvgM, FedTrimmedAvg):
         if not 0.0 <= beta < 0.5:
             raise ValueError(f"Invalid beta {beta!r}: must be in [0, 0.5)")
         self.beta = beta
-
-
-class FedAdamKeepDtype(FedAdam):
-    """Flower's FedAdam, returning the global arrays in the dtypes it was given.
-
-    Its step ``x + eta_norm * m / (sqrt(v) + tau)`` multiplies by a numpy float64 scalar,
-    which under NumPy 2's promotion rules turns float32 weights into float64: from round 2
-    on, every site's float32 reply then fails the server's dtype check and the model never
-    moves again (found by the convergence benchmark)."""
-
-    def aggregate_train(self, server_round: int, replies) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        given = {name: value.dtype for name, value in (self.current_arrays or {}).items()}
-        arrays, metrics = super().aggregate_train(server_round, replies)
-        if arrays is None:
-            return arrays, metrics
-        kept = {}
-        for name, array in arrays.items():
-            value = array.numpy()
-            kept[name] = Array(np.ascontiguousarray(value.astype(given.get(name, value.dtype), copy=False)))
-        return ArrayRecord(kept), metrics
 
 
 def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = None) -> Strategy:
@@ -75,7 +55,7 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
     if config.strategy == "fedavgm":
         return FedAvgM(**server_step, **common)
     if config.strategy == "fedadam":
-        return FedAdamKeepDtype(eta=config.fedadam_eta, eta_l=config.learning_rate, tau=config.fedadam_tau, **common)
+        return FedAdam(eta=config.fedadam_eta, eta_l=config.learning_rate, tau=config.fedadam_tau, **common)
     # Flower's robust aggregators (compared under attack in simulations/poisoning.py).
     if config.strategy == "fedmedian":
         return FedMedian(**common)

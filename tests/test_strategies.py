@@ -7,13 +7,14 @@ from flwr.serverapp.strategy import FedTrimmedAvg, FedAdam, FedAvg, FedAvgM, Fed
 
 from fedind import wire
 from fedind.config import RunConfig
-from fedind.strategies import FedAdamKeepDtype, TrimmedFedAvgM, average_scalar_metrics, build_strategy
+from fedind.rounds import in_dtypes_of, run_rounds
+from fedind.strategies import TrimmedFedAvgM, average_scalar_metrics, build_strategy
 from fedind.strategy import DWA
 
 
 @pytest.mark.parametrize(
     "name, kind",
-    [("fedavg", FedAvg), ("fedprox", FedProx), ("fedavgm", FedAvgM), ("fedadam", FedAdamKeepDtype), ("dwa", DWA),
+    [("fedavg", FedAvg), ("fedprox", FedProx), ("fedavgm", FedAvgM), ("fedadam", FedAdam), ("dwa", DWA),
      ("trimmedavgm", TrimmedFedAvgM)],
 )
 def test_build_strategy_by_name(name, kind):
@@ -51,23 +52,42 @@ class TwoNodes:
         return [1, 2]
 
 
-def test_fedadam_keeps_float32_weights_so_later_rounds_still_aggregate(flower_task_identity):
+class TwoSites(TwoNodes):
+    """A Grid whose two sites each move every received weight up (site i by 0.1 (i + 1)),
+    replying in float32 like a real site."""
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for i, message in enumerate(messages):
+            weights = message.content[wire.ARRAYS]["w"].numpy().astype(np.float32)
+            content = RecordDict({wire.ARRAYS: ArrayRecord({"w": Array(weights + np.float32(0.1 * (i + 1)))}),
+                                  wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10})})
+            replies.append(Message(content, reply_to=message))
+        return replies
+
+
+def test_round_loop_keeps_float32_weights_so_fedadam_still_aggregates_later_rounds(flower_task_identity):
     # Flower's FedAdam step returns float64 under NumPy 2; the server then rejected every
-    # float32 site reply from round 2 on and the model froze.
+    # float32 site reply from round 2 on and the model froze. The round loop casts back.
     strategy = build_strategy(RunConfig(strategy="fedadam", min_sites=1), num_sites=2)
-    assert isinstance(strategy, FedAdam)  # Flower's, with its checkpointed moments
-    weights = np.zeros(4, dtype=np.float32)
-    for server_round in (1, 2, 3):
-        instructions = strategy.configure_train(
-            server_round, ArrayRecord({"w": Array(weights)}), ConfigRecord(), TwoNodes()
-        )
-        replies = [
-            Message(RecordDict({wire.ARRAYS: ArrayRecord({"w": Array(weights + np.float32(0.1 * (i + 1)))}),
-                                wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10})}), reply_to=message)
-            for i, message in enumerate(instructions)
-        ]
-        arrays, _ = strategy.aggregate_train(server_round, replies)
-        new = arrays["w"].numpy()
-        assert new.dtype == np.float32
-        assert np.all(new > weights)  # every site moved up, so does the server
-        weights = new
+    seen = []
+
+    def record(server_round, arrays):
+        seen.append(arrays["w"].numpy().copy())
+
+    final = run_rounds(
+        strategy, TwoSites(), ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))}), first_round=1,
+        num_rounds=3, timeout=1.0, train_config=ConfigRecord(), evaluate_fn=lambda r, a: None, after_round=record,
+    )
+    assert [w.dtype for w in seen] == [np.float32] * 3 and final["w"].numpy().dtype == np.float32
+    assert 0 < seen[0][0] < seen[1][0] < seen[2][0]  # every site moved up every round, so did the server
+
+
+def test_in_dtypes_of_casts_to_the_reference_and_passes_a_matching_record_through():
+    reference = ArrayRecord({"w": Array(np.zeros(2, dtype=np.float32)), "n": Array(np.zeros(1, dtype=np.int64))})
+    promoted = ArrayRecord({"w": Array(np.array([0.5, 1e-3])), "n": Array(np.array([3])), "extra": Array(np.ones(1))})
+    cast = in_dtypes_of(promoted, reference)
+    assert cast["w"].numpy().dtype == np.float32 and cast["n"].numpy().dtype == np.int64
+    assert cast["extra"].numpy().dtype == np.float64  # no reference: kept
+    np.testing.assert_array_equal(cast["w"].numpy(), np.float32([0.5, 1e-3]))
+    assert in_dtypes_of(reference, reference) is reference
