@@ -31,7 +31,7 @@ from .data.format import DataFormatError
 from .data.sources import SiteData, site_from_dir, site_from_partition
 from .ewc import diagonal_fisher
 from .models import FaultCNN
-from .training import cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local
+from .training import cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts
 from .site_state import state_mod
 from .secure import decrypt_query, paillier_mod
 from .transport import RESIDUALS, topk_mod
@@ -94,9 +94,14 @@ def train(msg: Message, context: Context) -> Message:
     seed = _site_seed(config, site.site_id, server_round)
     torch.manual_seed(seed)
     histogram = np.bincount(train_data.y, minlength=num_classes)
-    adjustment = prior_logit_adjustment(histogram, config.logit_adjustment) if config.logit_adjustment else None
     buffer = load_replay(context, config, site.site_id, train_data, num_classes)
     replay = buffer.arrays() if buffer is not None else None
+    replay_ratio = config.replay_ratio if replay is not None else 0.0
+    adjustment = None
+    if config.logit_adjustment:  # the prior of what the loss sees: new windows and replayed ones
+        replayed = buffer.class_counts() if buffer is not None else None
+        trained = trained_label_counts(histogram, replayed, replay_ratio)
+        adjustment = prior_logit_adjustment(trained, config.logit_adjustment)
     if config.compression == "topk":  # the error-feedback residuals follow a grown head
         pad_residuals(context, RESIDUALS, num_classes)
     started = time.process_time()
@@ -112,7 +117,7 @@ def train(msg: Message, context: Context) -> Message:
         momentum=config.local_momentum,
         logit_adjustment=adjustment,
         replay=replay,
-        replay_ratio=config.replay_ratio if replay is not None else 0.0,
+        replay_ratio=replay_ratio,
         penalty=received_penalty(msg, config),
         grad_clip=config.local_grad_clip,
     )

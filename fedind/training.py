@@ -61,6 +61,29 @@ def prior_logit_adjustment(histogram, tau: float = 1.0, floor: float = 1e-4) -> 
     return torch.tensor(tau * np.log(prior), dtype=torch.float32)
 
 
+def trained_label_counts(histogram, replay_histogram=None, replay_ratio: float = 0.0) -> np.ndarray:
+    """Expected label counts of one epoch of :func:`train_local`'s loss: the new data's
+    ``histogram`` plus, with replay, ``replay_ratio`` times its total spread as the replay
+    buffer's label distribution (every batch of ``b`` new windows draws ``r * b`` windows
+    uniformly from the buffer). This is the prior the logit adjustment must carry.
+
+    With the new data's histogram alone, a replayed class absent from the new batch got the
+    floor's adjustment (``0.5 log 1e-4 = -4.6``) on windows the loss does see, so training
+    raised that class's plain logit by about as much, and a rare new class at the same line
+    was never predicted (0 % on the continual benchmark's seed 2)."""
+    counts = np.asarray(histogram, dtype=np.float64)
+    if replay_histogram is None or replay_ratio == 0:
+        return counts
+    memory = np.asarray(replay_histogram, dtype=np.float64)
+    if memory.shape != counts.shape or np.any(memory < 0) or not np.all(np.isfinite(memory)):
+        raise ValueError(f"Invalid replay histogram: {replay_histogram!r} (non-negative, {counts.size} classes)")
+    if not (math.isfinite(replay_ratio) and replay_ratio >= 0):
+        raise ValueError(f"Invalid replay_ratio value: {replay_ratio!r}")
+    if memory.sum() == 0:  # an empty buffer mixes nothing
+        return counts
+    return counts + replay_ratio * counts.sum() * memory / memory.sum()
+
+
 @dataclass(frozen=True)
 class TrainResult:
     loss: float  # mean training loss over the local steps

@@ -8,7 +8,7 @@ import torch
 
 from fedind.data.format import SiteArrays
 from fedind.models import FaultCNN
-from fedind.training import prior_logit_adjustment, train_local
+from fedind.training import prior_logit_adjustment, train_local, trained_label_counts
 
 
 def test_adjustment_is_tau_log_prior_with_a_floor_for_missing_classes():
@@ -16,6 +16,23 @@ def test_adjustment_is_tau_log_prior_with_a_floor_for_missing_classes():
     expected = 0.5 * np.log([0.3, 0.1, 1e-4, 0.6])
     np.testing.assert_allclose(adj.numpy(), expected, rtol=1e-6)
     assert adj.dtype == torch.float32 and adj.shape == (4,)
+
+
+def test_trained_label_counts_add_the_replayed_share_in_the_buffer_mix():
+    # 8 new windows per epoch, r = 0.5: 4 replayed ones per epoch, drawn from a buffer of [0, 1, 3]
+    np.testing.assert_allclose(trained_label_counts([6, 2, 0], [0, 1, 3], 0.5), [6, 3, 3])
+    # without replay, or with an empty buffer, the new data's histogram itself
+    for replayed, ratio in [(None, 0.0), ([0, 1, 3], 0.0), ([0, 0, 0], 0.5)]:
+        np.testing.assert_array_equal(trained_label_counts([6, 2, 0], replayed, ratio), [6, 2, 0])
+    # a class only the buffer holds is no longer at the floor's adjustment
+    mixed = prior_logit_adjustment(trained_label_counts([6, 2, 0], [0, 0, 4], 0.5), tau=0.5)
+    np.testing.assert_allclose(mixed.numpy(), 0.5 * np.log([0.5, 2 / 12, 4 / 12]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("replayed, ratio", [([1, 2], 0.5), ([1, -1, 0], 0.5), ([1, float("nan"), 0], 0.5), ([1, 1, 1], -1.0)])
+def test_trained_label_counts_reject_bad_input(replayed, ratio):
+    with pytest.raises(ValueError, match="Invalid"):
+        trained_label_counts([6, 2, 0], replayed, ratio)
 
 
 def test_balanced_site_gets_a_constant_shift_and_tau_zero_gets_zeros():
