@@ -98,6 +98,7 @@ class RunConfig:
     replay_policy: str = "balanced-loss"  # reservoir | balanced | balanced-loss (fedind.replay)
     ewc_lambda: float = 0.0  # EWC penalty weight at the sites (0 = off)
     ewc_gamma: float = 1.0  # online EWC: Fisher of earlier phases is scaled by gamma at each consolidation
+    ewc_server_lambda: float = 0.0  # server damps each coordinate's drift from its anchor by 1/(1 + this*F) (0 = off)
 
     def __post_init__(self) -> None:
         checks = {
@@ -159,6 +160,7 @@ class RunConfig:
             "replay-policy": self.replay_policy in REPLAY_POLICIES,
             "ewc-lambda": math.isfinite(self.ewc_lambda) and self.ewc_lambda >= 0,
             "ewc-gamma": 0 <= self.ewc_gamma <= 1,
+            "ewc-server-lambda": math.isfinite(self.ewc_server_lambda) and self.ewc_server_lambda >= 0,
         }
         for key, ok in checks.items():
             if not ok:
@@ -185,6 +187,11 @@ class RunConfig:
                 f"Invalid run config phase-rounds = {self.phase_rounds!r}: phases = {self.phases} need "
                 f"phase-rounds >= 1 and (phases - 1) * phase-rounds < num-server-rounds = "
                 f"{self.num_server_rounds} (every phase gets at least one round)"
+            )
+        if self.ewc_server_lambda and not self.ewc_lambda:
+            raise ConfigError(
+                f"Invalid run config ewc-server-lambda = {self.ewc_server_lambda!r} with ewc-lambda = 0: "
+                "the server damps by the Fisher the EWC sites send; set ewc-lambda > 0"
             )
         if self.replay_samples and self.replay_ratio == 0:
             raise ConfigError(

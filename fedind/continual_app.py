@@ -42,7 +42,7 @@ from . import wire
 from .config import RunConfig
 from .continual import evaluate_known, forgetting, replay_capacity, restore_replay
 from .data.format import SiteArrays
-from .ewc import EWCPenalty, EWCState
+from .ewc import EWCPenalty, EWCState, server_consolidation
 from .expansion import expand_head, pad_head_rows
 from .files import atomic_write
 from .metering import payload_bytes, site_id_of
@@ -213,6 +213,8 @@ class PhaseController:
             claimed = max(claimed, int(seen))
         if claimed > self.num_classes:
             arrays = self.grow(server_round, arrays, claimed)
+        if self.ewc is not None and self.ewc.phases and self.config.ewc_server_lambda > 0:
+            arrays = self.damp(arrays)
         if server_round in self.config.phase_end_rounds():
             phase = self.config.phase_of(server_round)
             if phase not in self.consolidated and (self.ewc is not None or self.config.replay_samples):
@@ -234,6 +236,13 @@ class PhaseController:
         self.expansions.append({"round": server_round, "from": old, "to": num_classes})
         log(INFO, "round %d: a site reports %d classes; the head grew from %d to %d", server_round, num_classes, old, num_classes)
         return arrays
+
+    def damp(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The server's EWC step (``ewc-server-lambda``): each coordinate's drift from its
+        anchor damped by ``1 / (1 + kappa F)`` (:func:`fedind.ewc.server_consolidation`)."""
+        state = {name: a.numpy() for name, a in arrays.items()}
+        damped = server_consolidation(state, self.ewc.fisher, self.ewc.anchors, self.config.ewc_server_lambda)
+        return ArrayRecord({name: Array(np.ascontiguousarray(damped[name])) for name in arrays.keys()})
 
     def end_phase(self, server_round: int, phase: int, arrays: ArrayRecord) -> None:
         """The phase-end query: sites offer their batch to their buffer and (EWC) send

@@ -53,9 +53,14 @@ recursion of Huszár 2018), :math:`\gamma < 1` lets old phases fade geometricall
 :class:`EWCState` holds :math:`F` and :math:`\theta^*` on the server (strategy state, behind
 ``state_dict()``); sites receive both and train with ``penalty=EWCPenalty(F, θ*, λ)``.
 
-No server-side damping of updates by the Fisher: the site penalty already acts on exactly
-those coordinates during local training, a second damping at the server would count it twice
-and would need the Fisher in the clear where updates are aggregated encrypted.
+**Server-side damping** (:func:`server_consolidation`, optional, ``ewc-server-lambda``
+:math:`\kappa > 0`): after each aggregation the server also takes the proximal step of the
+penalty, :math:`\theta \leftarrow \arg\min_\theta \frac12\|\theta - \theta_{agg}\|^2 +
+\frac{\kappa}{2}\sum_i F_i(\theta_i - \theta^*_i)^2`, i.e. each coordinate's drift from its
+anchor is damped by :math:`1 / (1 + \kappa F_i)`. It acts on what the sites' penalty acts on,
+so the two add up; the benchmark measures whether that pays (README, *Continual learning*).
+It needs the Fisher where updates are aggregated, so not under encryption (phases are
+refused there anyway).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ __all__ = [
     "diagonal_fisher",
     "ewc_penalty",
     "merge_fisher",
+    "server_consolidation",
 ]
 
 FISHER_KINDS = ("true", "empirical")
@@ -293,6 +299,34 @@ def merge_fisher(
                 "(pad the old Fisher when the head grows)"
             )
         out[name] = (gamma * old[name].astype(np.float64) + f).astype(np.float32)
+    return out
+
+
+def server_consolidation(
+    arrays: Mapping[str, np.ndarray],
+    fisher: Mapping[str, np.ndarray],
+    anchors: Mapping[str, np.ndarray],
+    kappa: float,
+) -> dict[str, np.ndarray]:
+    r"""The proximal step of the EWC penalty, taken by the server on the aggregate:
+    :math:`\theta_i \leftarrow \theta^*_i + (\theta_i - \theta^*_i) / (1 + \kappa F_i)`.
+
+    Names without a Fisher pass through (the same objects); dtypes are kept. ``kappa = 0``
+    or ``F_i = 0`` leaves a coordinate unchanged; a large :math:`\kappa F_i` holds it at its
+    anchor."""
+    kappa = _real(kappa, "kappa", 0.0)
+    out = dict(arrays)
+    for name, f in fisher.items():
+        if name not in arrays or name not in anchors:
+            raise ValueError(f"Invalid server consolidation: no array or anchor for {name!r}")
+        theta = np.asarray(arrays[name])
+        anchor = np.asarray(anchors[name], dtype=np.float64)
+        if theta.shape != f.shape or anchor.shape != f.shape:
+            raise ValueError(
+                f"Invalid server consolidation for {name!r}: array {theta.shape}, Fisher {f.shape}, anchor {anchor.shape}"
+            )
+        damped = anchor + (theta.astype(np.float64) - anchor) / (1.0 + kappa * f.astype(np.float64))
+        out[name] = damped.astype(theta.dtype)
     return out
 
 

@@ -9,7 +9,10 @@ replay and EWC differ:
 - ``replay``: plus a bounded replay buffer (``replay-samples`` = --replay-samples, the
   ``replay-share`` bound of the base config, ``replay-ratio``, ``replay-policy``);
 - ``ewc``: plus the federated EWC penalty (``ewc-lambda`` = --ewc-lambda);
-- ``replay+ewc``: both.
+- ``replay+ewc``: both;
+- ``replay+ewc+server`` (not run by default): both, and the server damps each aggregate's
+  drift from the EWC anchors by ``1 / (1 + kappa F)`` (``ewc-server-lambda`` = kappa =
+  --ewc-server-lambda).
 
 Phase 0: no line has the held-out fault class; phase 1: ``drift-regime-share`` of the lines
 (here all) run under a new regime at ``drift-speed-factor`` times the shaft speed, every
@@ -47,13 +50,15 @@ from fedind.simulation import simulate  # noqa: E402
 # Every line moves to a new product speed at phase 1 (with half the lines on their old
 # regime, fine-tuning forgot nothing: phase 0's accuracy rose by 4-6 points; see README).
 SCENARIO = {"phases": 2, "phase-rounds": 30, "num-server-rounds": 60, "drift-regime-share": 1.0}
-VARIANTS = ("finetune", "replay", "ewc", "replay+ewc")
+VARIANTS = ("finetune", "replay", "ewc", "replay+ewc")  # the issue's four, run by default
+EXTRA_VARIANTS = ("replay+ewc+server",)
 
 
-def variant_config(base, name: str, replay_samples: int, ewc_lambda: float):
+def variant_config(base, name: str, replay_samples: int, ewc_lambda: float, ewc_server_lambda: float = 0.0):
     replay = replay_samples if "replay" in name else 0
     ewc = ewc_lambda if "ewc" in name else 0.0
-    return replace(base, replay_samples=replay, ewc_lambda=ewc)
+    server = ewc_server_lambda if name.endswith("+server") else 0.0
+    return replace(base, replay_samples=replay, ewc_lambda=ewc, ewc_server_lambda=server)
 
 
 def measure(config, name: str, out: Path) -> dict:
@@ -93,9 +98,10 @@ def measure(config, name: str, out: Path) -> dict:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS)
     parser.add_argument("--replay-samples", type=int, default=256, help="cap; replay-share usually binds")
     parser.add_argument("--ewc-lambda", type=float, default=10.0)
+    parser.add_argument("--ewc-server-lambda", type=float, default=10.0, help="kappa of replay+ewc+server")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--out", default="runs/continual")
     args, overrides = parser.parse_known_args(argv)
@@ -105,7 +111,9 @@ def main(argv: list[str]) -> None:
     per_run: dict[str, list[dict]] = {name: [] for name in args.variants}
     for seed in args.seeds:
         for name in args.variants:
-            config = variant_config(replace(base, seed=seed), name, args.replay_samples, args.ewc_lambda)
+            config = variant_config(
+                replace(base, seed=seed), name, args.replay_samples, args.ewc_lambda, args.ewc_server_lambda
+            )
             figures = measure(config, f"{name}-seed{seed}", out)
             per_run[name].append({"seed": seed, **figures})
             print(
@@ -120,7 +128,7 @@ def main(argv: list[str]) -> None:
     (out / "config.json").write_text(
         json.dumps(
             {"base": base.to_flower(), "variants": args.variants, "replay_samples": args.replay_samples,
-             "ewc_lambda": args.ewc_lambda, "seeds": args.seeds},
+             "ewc_lambda": args.ewc_lambda, "ewc_server_lambda": args.ewc_server_lambda, "seeds": args.seeds},
             indent=2,
         )
     )
@@ -169,8 +177,9 @@ def _table(results: dict[str, dict], base, args) -> str:
         f"{base.drift_regime_share:.0%} of the lines move to a new regime at {base.drift_speed_factor:g}x shaft speed, "
         f"{base.drift_new_classes} new class at one line; "
         f"replay cap {args.replay_samples} windows, share {base.replay_share:g}, ratio {base.replay_ratio:g}, "
-        f"policy {base.replay_policy}; EWC lambda {args.ewc_lambda:g}, gamma {base.ewc_gamma:g}; "
-        f"seeds {', '.join(map(str, args.seeds))}. Accuracies in %.",
+        f"policy {base.replay_policy}; EWC lambda {args.ewc_lambda:g}, gamma {base.ewc_gamma:g}"
+        + (f", server damping kappa {args.ewc_server_lambda:g}; " if any(n in results for n in EXTRA_VARIANTS) else "; ")
+        + f"seeds {', '.join(map(str, args.seeds))}. Accuracies in %.",
         "",
         "| variant | "
         + " | ".join(f"phase {q} after phase {q}" for q in range(phases))

@@ -22,6 +22,7 @@ from safetensors.numpy import load_file
 from fedind.checkpoint import CheckpointStore
 from fedind.config import ConfigError, RunConfig
 from fedind.continual import forgetting, known, replay_bytes, replay_capacity, restore_replay
+from fedind.continual_app import PhaseController
 from fedind.data.drift import (
     DriftSpec,
     drifted_sites,
@@ -59,6 +60,8 @@ DRIFT = DriftSpec(federation=SMALL, phases=3, regime_share=0.5, new_classes=1, s
         ({"replay-policy": "fifo"}, "replay-policy"),
         ({"replay-share": 0.0}, "replay-share"),
         ({"ewc-gamma": 1.5}, "ewc-gamma"),
+        ({"phases": 2, "phase-rounds": 5, "ewc-server-lambda": 10.0}, "ewc-server-lambda"),  # no Fisher without EWC
+        ({"phases": 2, "phase-rounds": 5, "ewc-lambda": 1.0, "ewc-server-lambda": -1.0}, "ewc-server-lambda"),
         ({"drift-new-classes": NUM_CLASSES - 1}, "drift-new-classes"),
         ({"phases": 2, "phase-rounds": 5, "encryption": "paillier"}, "phases"),
     ],
@@ -75,7 +78,8 @@ def test_every_continual_key_is_in_pyproject_with_its_default():
         table = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
     defaults = RunConfig().to_flower()
     for key in ("phases", "phase-rounds", "drift-regime-share", "drift-new-classes", "drift-speed-factor", "replay-samples",
-                "replay-bytes", "replay-share", "replay-ratio", "replay-policy", "ewc-lambda", "ewc-gamma"):
+                "replay-bytes", "replay-share", "replay-ratio", "replay-policy", "ewc-lambda", "ewc-gamma",
+                "ewc-server-lambda"):
         assert table[key] == defaults[key], key
 
 
@@ -208,6 +212,23 @@ def test_strategy_state_is_padded_when_the_head_grows(strategy):
         state = flat["state_dict"]
         assert state["global_histogram"]["sites"]["line-00"] == [1, 2, 3, 0, 0]
         assert state["momentum"]["buffers"]["head.weight"].shape == (5, 2) and s.num_classes == 5
+
+
+def _controller(**config) -> PhaseController:
+    config = RunConfig(num_server_rounds=4, phases=2, phase_rounds=2, ewc_lambda=1.0, **config)
+    return PhaseController(
+        config, strategy=build_strategy(config, num_sites=1), grid=None, node_ids=[], num_classes=3,
+        initial_classes=3, test_sets=[None, None], device=None, folder=Path("."), run_config_json="{}",
+    )
+
+
+@pytest.mark.parametrize("kappa, expected", [(0.0, [2.0, 2.0]), (1.0, [2.0, 1.0])])
+def test_the_server_damps_the_aggregate_towards_the_anchors_after_a_phase_end(kappa, expected):
+    controller = _controller(ewc_server_lambda=kappa)
+    aggregate = ArrayRecord({"w": Array(np.float32([2.0, 2.0]))})
+    assert controller.end_of_round(3, aggregate, [])["w"].numpy().tolist() == [2.0, 2.0]  # no phase ended yet
+    controller.ewc.consolidate([{"w": np.float32([0.0, 1.0])}], [1.0], {"w": np.float32([0.0, 0.0])})
+    assert controller.end_of_round(3, aggregate, [])["w"].numpy().tolist() == expected
 
 
 # --------------------------------------------------------------------------- a short two-phase run

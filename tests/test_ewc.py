@@ -6,7 +6,15 @@ import torch
 from torch import nn
 
 from fedind.data.format import SiteArrays
-from fedind.ewc import EWCPenalty, EWCState, aggregate_fishers, diagonal_fisher, ewc_penalty, merge_fisher
+from fedind.ewc import (
+    EWCPenalty,
+    EWCState,
+    aggregate_fishers,
+    diagonal_fisher,
+    ewc_penalty,
+    merge_fisher,
+    server_consolidation,
+)
 from fedind.expansion import expand_head, head_classes, pad_head_rows
 from fedind.models import FaultCNN
 from fedind.training import train_local
@@ -353,3 +361,32 @@ def test_ewc_state_grows_with_the_head_and_the_penalty_leaves_new_rows_free():
 def test_expand_head_rejects_bad_input(state, new):
     with pytest.raises(ValueError, match="Invalid"):
         expand_head(state, new)
+
+
+def test_server_consolidation_damps_the_drift_from_the_anchor_by_the_fisher():
+    arrays = {"w": np.float32([2.0, 2.0, 2.0, -1.0]), "free": np.ones(2, dtype=np.float32)}
+    fisher = {"w": np.float32([0.0, 1.0, 3.0, 1.0])}
+    anchors = {"w": np.float32([0.0, 0.0, 0.0, 1.0])}
+    out = server_consolidation(arrays, fisher, anchors, kappa=1.0)
+    # anchor + (theta - anchor) / (1 + kappa F): F = 0 untouched, F = 1 halves the drift, F = 3 quarters it
+    np.testing.assert_allclose(out["w"], [2.0, 1.0, 0.5, 0.0])
+    assert out["w"].dtype == np.float32 and out["free"] is arrays["free"]  # no Fisher: passed through
+    # it is the minimiser of 1/2 |theta - theta_agg|^2 + kappa/2 sum F (theta - anchor)^2: zero gradient there
+    grad = (out["w"] - arrays["w"]) + 1.0 * fisher["w"] * (out["w"] - anchors["w"])
+    np.testing.assert_allclose(grad, 0.0, atol=1e-6)
+    np.testing.assert_array_equal(server_consolidation(arrays, fisher, anchors, kappa=0.0)["w"], arrays["w"])
+    held = server_consolidation(arrays, fisher, anchors, kappa=1e9)["w"]
+    np.testing.assert_allclose(held[1:], anchors["w"][1:], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "fisher, anchors, kappa",
+    [({"w": np.ones(3, np.float32)}, {"w": np.zeros(3, np.float32)}, 1.0),  # shape differs from the array
+     ({"v": np.ones(4, np.float32)}, {"v": np.zeros(4, np.float32)}, 1.0),  # no such array
+     ({"w": np.ones(4, np.float32)}, {}, 1.0),  # no anchor
+     ({"w": np.ones(4, np.float32)}, {"w": np.zeros(4, np.float32)}, -1.0)],
+)
+def test_server_consolidation_rejects_bad_input(fisher, anchors, kappa):
+    with pytest.raises(ValueError, match="Invalid"):
+        server_consolidation({"w": np.zeros(4, np.float32)}, fisher, anchors, kappa)
+
