@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 
 from . import wire
 from .config import RunConfig
-from .continual import classes_seen, evaluate_known, known
+from .continual import classes_seen, evaluate_known, known, propose_new_rows
 from .continual_app import (
     load_replay,
     offered_phase,
@@ -91,6 +91,10 @@ def train(msg: Message, context: Context) -> Message:
     train_data = known(site.train, num_classes)
     # Score the global model on local data first: the site's view of the federation.
     before = evaluate_known(model, site.test if site.test is not None else site.train, device)
+    seen = classes_seen(site.train, site.test) if config.phases > 1 else num_classes
+    proposal = None
+    if seen > num_classes:  # classes the head lacks: propose their rows, from the model as received
+        proposal = propose_new_rows(model, site.train, seen, config.logit_adjustment, device)
     seed = _site_seed(config, site.site_id, server_round)
     torch.manual_seed(seed)
     histogram = np.bincount(train_data.y, minlength=num_classes)
@@ -132,12 +136,18 @@ def train(msg: Message, context: Context) -> Message:
         }
     )
     if config.phases > 1:
-        metrics[wire.CLASSES_SEEN] = classes_seen(site.train, site.test)
+        metrics[wire.CLASSES_SEEN] = seen
         if config.replay_samples:
             metrics.update(replay_metrics(buffer, train_data))
     content = RecordDict(
         {wire.ARRAYS: _state(model), wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})}
     )
+    if proposal is not None:
+        rows, biases, counts = proposal
+        content[wire.NEW_CLASSES] = ConfigRecord(
+            {wire.NEW_ROWS: [float(v) for v in np.concatenate([rows.ravel(), biases])],
+             wire.NEW_COUNTS: [int(c) for c in counts]}
+        )
     return Message(content=content, reply_to=msg)
 
 

@@ -20,9 +20,22 @@ before. At the end of every phase but the last the server sends every site one
 **New classes.** A site trains and evaluates on the labels the received head has
 (:func:`known`) and reports ``classes-seen`` (:func:`classes_seen`); when a reply reports
 more classes than the head, the server grows the head (:func:`fedind.expansion.expand_head`:
-old rows bit-identical, new rows ``W = 0``, ``b = min b``) and every piece of state that
-follows it, before the round is scored and checkpointed; the next round every site gets the
-grown model, the sites' replay buffers grow with it.
+old rows bit-identical) and every piece of state that follows it, before the round is
+scored and checkpointed; the next round every site gets the grown model, the sites' replay
+buffers grow with it.
+
+*Proposed rows.* A site that sees classes the head lacks also proposes their head rows
+(:func:`fit_new_rows`): the softmax regression of its windows on the received model's
+features with the old rows held fixed, under the loss of its local training (its logit
+adjustment and weight decay), solved to the optimum (convex in the new rows). The server
+starts each new row from the proposals weighted by the proposers' windows of that class
+(:func:`merge_row_proposals`; without a valid proposal, ``W = 0``, ``b = min b``). Why:
+under logit adjustment a site without the class sends almost no gradient to its row, so
+the federated average dilutes the one line that has it by that line's share of the
+examples; a zero row then took 20 rounds to recognise a class one line had 8 windows of,
+and with replay or EWC it never did in a 30-round phase, although the features already
+separated it (a row fitted on the final model's features at that line recognised 98 % of
+it on the global test).
 
 **Scores** (:func:`phase_scores`, :func:`forgetting`). The server scores the global model
 every round on the global test set of each phase so far (labels beyond the head count as
@@ -43,14 +56,17 @@ from torch import nn
 
 from .data.format import SiteArrays
 from .replay import ReplayBuffer
-from .training import evaluate
+from .training import WEIGHT_DECAY, evaluate, prior_logit_adjustment
 
 __all__ = [
     "PhaseScore",
     "classes_seen",
     "evaluate_known",
+    "fit_new_rows",
     "forgetting",
     "known",
+    "merge_row_proposals",
+    "propose_new_rows",
     "replay_capacity",
     "restore_replay",
 ]
@@ -70,6 +86,93 @@ def known(data: SiteArrays, num_classes: int) -> SiteArrays:
 def classes_seen(*splits: SiteArrays | None) -> int:
     """1 + the largest label in any of ``splits`` (0 if none has an example)."""
     return max((int(s.y.max()) + 1 for s in splits if s is not None and s.num_examples), default=0)
+
+
+def fit_new_rows(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    num_classes: int,
+    adjustment: torch.Tensor | None = None,
+    weight_decay: float = WEIGHT_DECAY,
+) -> tuple[np.ndarray, np.ndarray]:
+    r"""Head rows ``K .. num_classes - 1`` for a head ``weight [K, F]``, ``bias [K]``: the
+    minimiser over the new rows ``(W', b')`` of
+
+    .. math:: \mathrm{CE}\big([W h + b,\; W' h + b'] + a,\; y\big) + \tfrac{\lambda}{2}\lVert W'\rVert^2
+
+    over the examples (``features [N, F]``, ``labels [N]``), with the old rows fixed,
+    ``a = adjustment`` (``[num_classes]``, the site's logit adjustment; None: 0) and
+    ``λ = weight_decay``. Convex in ``(W', b')``: L-BFGS from ``W' = 0``, ``b' = min b``,
+    float64. Returns float32 ``W' [num_classes - K, F]``, ``b' [num_classes - K]``."""
+    old, dim = weight.shape
+    if num_classes <= old or features.ndim != 2 or features.shape[1] != dim or labels.shape != features.shape[:1]:
+        raise ValueError(
+            f"Invalid row fit: head {tuple(weight.shape)}, {num_classes} classes, features "
+            f"{tuple(features.shape)}, labels {tuple(labels.shape)}"
+        )
+    h = features.detach().double()
+    y = labels.detach().long()
+    fixed = h @ weight.detach().double().T + bias.detach().double()
+    shift = torch.zeros(num_classes, dtype=torch.float64) if adjustment is None else adjustment.detach().double()
+    rows = torch.zeros(num_classes - old, dim, dtype=torch.float64, requires_grad=True)
+    offsets = torch.full((num_classes - old,), float(bias.min()), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([rows, offsets], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        logits = torch.cat([fixed, h @ rows.T + offsets], dim=1) + shift
+        loss = nn.functional.cross_entropy(logits, y) + 0.5 * weight_decay * (rows * rows).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return rows.detach().float().numpy(), offsets.detach().float().numpy()
+
+
+def propose_new_rows(
+    model: nn.Module, data: SiteArrays, num_classes: int, tau: float, device: torch.device, batch_size: int = 256
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A site's proposal for the rows of the classes its data has beyond ``model``'s head
+    (``num_classes`` = :func:`classes_seen`): :func:`fit_new_rows` on ``model.features`` of
+    every window in ``data``, with the logit adjustment ``tau`` of its label histogram.
+    Returns ``(rows [m, F], biases [m], windows of each new class [m])``, ``m`` new classes."""
+    model.to(device).eval()
+    with torch.no_grad():
+        features = torch.cat(
+            [model.features(torch.from_numpy(data.x[i : i + batch_size]).to(device)).float().cpu()
+             for i in range(0, data.num_examples, batch_size)]
+        )
+    counts = np.bincount(data.y, minlength=num_classes)
+    adjustment = prior_logit_adjustment(counts, tau) if tau else None
+    rows, biases = fit_new_rows(
+        features, torch.from_numpy(data.y), model.head.weight.cpu(), model.head.bias.cpu(), num_classes, adjustment
+    )
+    return rows, biases, counts[model.head.out_features :]
+
+
+def merge_row_proposals(
+    proposals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], old: int, new: int, dim: int
+) -> dict[int, tuple[np.ndarray, float]]:
+    """Per new class ``k`` in ``old .. new - 1``, the mean of the proposed rows (and biases)
+    weighted by the proposers' windows of ``k``: ``{k: (row [dim] float32, bias)}``; a class
+    nobody proposed with windows is absent. Each proposal is ``(rows [m, dim], biases [m],
+    counts [m])`` for classes ``old .. old + m - 1`` (checked: finite, counts >= 0)."""
+    total: dict[int, list] = {}
+    for rows, biases, counts in proposals:
+        m = len(counts)
+        if rows.shape != (m, dim) or biases.shape != (m,) or old + m > new:
+            raise ValueError(f"Invalid row proposal: rows {rows.shape}, biases {biases.shape}, {m} counts")
+        if not (np.all(np.isfinite(rows)) and np.all(np.isfinite(biases)) and np.all(counts >= 0)):
+            raise ValueError("Invalid row proposal: non-finite values or negative counts")
+        for j in range(m):
+            if counts[j] > 0:
+                entry = total.setdefault(old + j, [np.zeros(dim), 0.0, 0.0])
+                entry[0] += counts[j] * rows[j].astype(np.float64)
+                entry[1] += counts[j] * float(biases[j])
+                entry[2] += float(counts[j])
+    return {k: ((w / n).astype(np.float32), b / n) for k, (w, b, n) in sorted(total.items())}
 
 
 # --------------------------------------------------------------------------- replay bound

@@ -14,7 +14,9 @@ Wire (names in :mod:`fedind.wire`):
   reply still carries exactly one ArrayRecord, the site's weights, so screening and every
   strategy see what they always saw;
 * train replies add ``classes-seen``, ``replay-samples``, ``replay-bytes``, ``windows-seen``
-  to their metrics.
+  to their metrics; a site whose data has classes the head lacks adds a ConfigRecord
+  ``new-classes`` with its proposed rows for them (``rows``: the rows then the biases,
+  flat; ``counts``: its windows of each class; :func:`fedind.continual.propose_new_rows`).
 
 Site state (``context.state``, saved across restarts by :func:`fedind.site_state.state_mod`):
 ArrayRecord ``replay-buffer`` (:meth:`ReplayBuffer.state_dict`) and ConfigRecord
@@ -40,10 +42,10 @@ from flwr.serverapp.strategy import Strategy
 
 from . import wire
 from .config import RunConfig
-from .continual import evaluate_known, forgetting, replay_capacity, restore_replay
+from .continual import evaluate_known, forgetting, merge_row_proposals, replay_capacity, restore_replay
 from .data.format import SiteArrays
 from .ewc import EWCPenalty, EWCState, server_consolidation
-from .expansion import expand_head, pad_head_rows
+from .expansion import HEAD_WEIGHT, expand_head, pad_head_rows
 from .files import atomic_write
 from .metering import payload_bytes, site_id_of
 from .models import FaultCNN
@@ -178,7 +180,7 @@ class PhaseController:
         self.screen = screen
         self.ewc = EWCState(config.ewc_gamma) if config.ewc_lambda > 0 else None
         self.consolidated: list[int] = []  # phases whose end the sites were told of
-        self.expansions: list[dict] = []  # {"round", "from", "to"}
+        self.expansions: list[dict] = []  # {"round", "from", "to", "proposed_rows"}
         self.rows: list[dict] = []  # per-round scores (phases.csv)
         self.replay: dict[str, dict] = {}  # site -> latest replay figures
         self._records: dict[str, ArrayRecord] | None = None  # EWC records, built once per change
@@ -198,6 +200,7 @@ class PhaseController:
 
     def end_of_round(self, server_round: int, arrays: ArrayRecord, replies: list[Message]) -> ArrayRecord:
         claimed = self.num_classes
+        proposing: list[tuple[str, Mapping]] = []
         for reply in replies:
             if reply.has_error():
                 continue
@@ -211,8 +214,11 @@ class PhaseController:
                 log(WARNING, "round %d: site %s claims classes-seen = %r; ignored", server_round, site_id_of(reply), seen)
                 continue
             claimed = max(claimed, int(seen))
+            if wire.NEW_CLASSES in reply.content.config_records:
+                proposing.append((site_id_of(reply), reply.content.config_records[wire.NEW_CLASSES]))
         if claimed > self.num_classes:
-            arrays = self.grow(server_round, arrays, claimed)
+            rows = self._proposed_rows(server_round, arrays, claimed, proposing)
+            arrays = self.grow(server_round, arrays, claimed, rows)
         if self.ewc is not None and self.ewc.phases and self.config.ewc_server_lambda > 0:
             arrays = self.damp(arrays)
         if server_round in self.config.phase_end_rounds():
@@ -221,10 +227,36 @@ class PhaseController:
                 self.end_phase(server_round, phase, arrays)
         return arrays
 
-    def grow(self, server_round: int, arrays: ArrayRecord, num_classes: int) -> ArrayRecord:
-        """Grow the global head to ``num_classes`` and everything that follows it."""
+    def _proposed_rows(
+        self, server_round: int, arrays: ArrayRecord, num_classes: int, proposing: list[tuple[str, Mapping]]
+    ) -> dict[int, tuple[np.ndarray, float]]:
+        """The sites' proposed rows for the new classes, merged (:func:`merge_row_proposals`);
+        a malformed proposal is logged and left out."""
+        dim = arrays[HEAD_WEIGHT].shape[1]
+        valid = []
+        for site, record in proposing:
+            try:
+                counts = np.asarray(record.get(wire.NEW_COUNTS), dtype=np.float64)
+                flat = np.asarray(record.get(wire.NEW_ROWS), dtype=np.float64)
+                m = counts.size
+                if counts.ndim != 1 or flat.shape != (m * (dim + 1),):
+                    raise ValueError(f"{flat.size} values for {m} classes of {dim} features (+ bias)")
+                proposal = (flat[: m * dim].reshape(m, dim), flat[m * dim :], counts)
+                merge_row_proposals([proposal], self.num_classes, num_classes, dim)  # validates it
+            except (TypeError, ValueError) as err:
+                log(WARNING, "round %d: site %s proposes invalid new-class rows (%s); ignored", server_round, site, err)
+                continue
+            valid.append(proposal)
+        return merge_row_proposals(valid, self.num_classes, num_classes, dim)
+
+    def grow(
+        self, server_round: int, arrays: ArrayRecord, num_classes: int,
+        rows: Mapping[int, tuple[np.ndarray, float]] | None = None,
+    ) -> ArrayRecord:
+        """Grow the global head to ``num_classes`` and everything that follows it; new classes
+        in ``rows`` start from those rows (:func:`fedind.expansion.expand_head`)."""
         old = self.num_classes
-        grown = expand_head({name: a.numpy() for name, a in arrays.items()}, num_classes)
+        grown = expand_head({name: a.numpy() for name, a in arrays.items()}, num_classes, new_rows=rows)
         arrays = ArrayRecord({name: Array(np.ascontiguousarray(grown[name])) for name in arrays.keys()})
         grow_strategy_classes(self.strategy, arrays, num_classes)
         if self.screen is not None:
@@ -233,8 +265,12 @@ class PhaseController:
             self.ewc.expand_classes(num_classes)
             self._records = None
         self.num_classes = num_classes
-        self.expansions.append({"round": server_round, "from": old, "to": num_classes})
-        log(INFO, "round %d: a site reports %d classes; the head grew from %d to %d", server_round, num_classes, old, num_classes)
+        proposed = sorted(rows or {})
+        self.expansions.append({"round": server_round, "from": old, "to": num_classes, "proposed_rows": proposed})
+        log(
+            INFO, "round %d: a site reports %d classes; the head grew from %d to %d (rows proposed by sites for %s)",
+            server_round, num_classes, old, num_classes, proposed or "none",
+        )
         return arrays
 
     def damp(self, arrays: ArrayRecord) -> ArrayRecord:

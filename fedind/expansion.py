@@ -6,7 +6,9 @@ depends on ``K``. Growing ``K -> K'`` appends rows ``K..K'-1`` and leaves rows `
 bit-identical, so the old logits of every input are unchanged (the features ``h`` do not
 depend on ``K``).
 
-New rows (:func:`expand_head`): ``W_new = 0`` and ``b_new = min(b_old)`` (or ``new_bias``).
+New rows (:func:`expand_head`): the rows sites proposed for them (``new_rows``, see
+:func:`fedind.continual.fit_new_rows`), else ``W_new = 0`` and ``b_new = min(b_old)`` (or
+``new_bias``).
 
 * Zero weights, not random ones: the new logit is then the constant ``b_new``, the same for
   every input, so it cannot fire on old-class inputs by chance, and it is identical on
@@ -69,12 +71,14 @@ def expand_head(
     new_num_classes: int,
     *,
     new_bias: float | None = None,
+    new_rows: Mapping[int, tuple[np.ndarray, float]] | None = None,
     weight_key: str = HEAD_WEIGHT,
     bias_key: str = HEAD_BIAS,
 ) -> dict[str, np.ndarray]:
     """``state`` with a head of ``new_num_classes`` rows: old rows copied bit for bit, new
-    rows ``weight = 0``, ``bias = new_bias`` (default ``min`` of the old biases); dtypes
-    kept. Every other entry is passed through (the same array objects)."""
+    rows ``weight = 0``, ``bias = new_bias`` (default ``min`` of the old biases), except the
+    classes in ``new_rows`` (``{class: (row [F], bias)}``), which get those; dtypes kept.
+    Every other entry is passed through (the same array objects)."""
     old = head_classes(state, weight_key, bias_key)
     new = _new_classes(new_num_classes, old)
     weight, bias = np.asarray(state[weight_key]), np.asarray(state[bias_key])
@@ -87,6 +91,12 @@ def expand_head(
     out = dict(state)
     out[weight_key] = _pad(weight, new, 0.0)
     out[bias_key] = _pad(bias, new, new_bias)
+    for k, (row, b) in (new_rows or {}).items():
+        row = np.asarray(row)
+        if not (old <= k < new) or row.shape != weight.shape[1:] or not (np.all(np.isfinite(row)) and np.isfinite(b)):
+            raise ValueError(f"Invalid new row for class {k!r}: shape {row.shape} (head {weight.shape}, {old} -> {new})")
+        out[weight_key][k] = row
+        out[bias_key][k] = b
     return out
 
 

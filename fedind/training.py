@@ -38,6 +38,9 @@ def _autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+WEIGHT_DECAY = 1e-4  # of local SGD (and of a site's proposed rows for new classes, fedind.continual)
+
+
 def prior_logit_adjustment(histogram, tau: float = 1.0, floor: float = 1e-4) -> torch.Tensor:
     r"""Logit adjustment for training on a label-skewed site: :math:`\tau \log \pi`.
 
@@ -100,7 +103,7 @@ def train_local(
     seed: int,
     device: torch.device,
     momentum: float = 0.9,
-    weight_decay: float = 1e-4,
+    weight_decay: float = WEIGHT_DECAY,
     proximal_mu: float = 0.0,
     logit_adjustment: torch.Tensor | None = None,
     replay: SiteArrays | None = None,

@@ -41,6 +41,11 @@ PHASE = "phase"  # ConfigRecord key, server -> site: the phase that ends
 EWC_FISHER = "ewc-fisher"  # ArrayRecord: site -> server its Fisher (phase end); server -> site the consolidated one
 EWC_ANCHORS = "ewc-anchors"  # ArrayRecord, server -> site: the anchor parameters of the EWC penalty
 CLASSES_SEEN = "classes-seen"  # MetricRecord key, site -> server: 1 + the largest label in the site's data
+# ConfigRecord of a train reply from a site whose data has classes the head lacks (not in the
+# MetricRecord: Flower's strategies want the same metric keys in every reply)
+NEW_CLASSES = "new-classes"
+NEW_ROWS = "rows"  # its key: the proposed head rows of those classes, then their biases, flat
+NEW_COUNTS = "counts"  # its key: the site's training windows of each of those classes
 REPLAY_SAMPLES = "replay-samples"  # MetricRecord key: windows in the site's replay buffer
 REPLAY_BYTES = "replay-bytes"  # MetricRecord key: bytes the site's replay buffer holds (ReplayBuffer.nbytes)
 WINDOWS_SEEN = "windows-seen"  # MetricRecord key: windows the site has had (earlier phases offered + this batch)

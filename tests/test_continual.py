@@ -15,13 +15,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvgM
 from safetensors.numpy import load_file
 
+from fedind import wire
 from fedind.checkpoint import CheckpointStore
 from fedind.config import ConfigError, RunConfig
-from fedind.continual import forgetting, known, replay_bytes, replay_capacity, restore_replay
+from fedind.continual import (
+    fit_new_rows,
+    forgetting,
+    known,
+    merge_row_proposals,
+    replay_bytes,
+    replay_capacity,
+    restore_replay,
+)
 from fedind.continual_app import PhaseController
 from fedind.data.drift import (
     DriftSpec,
@@ -170,6 +180,38 @@ def test_restored_replay_buffer_grows_with_the_head_and_keeps_its_windows():
                        policy="balanced-loss", seed=1)
 
 
+def test_fitted_new_rows_recognise_the_new_class_and_leave_the_old_rows_alone():
+    # Features of 3 old classes and a new one, each around its own direction; the old head
+    # knows the old classes only. The fitted row must pick out the new class's examples.
+    rng = np.random.default_rng(0)
+    centres = 3.0 * np.eye(4, 6)
+    labels = np.repeat(np.arange(4), [30, 30, 30, 6])
+    features = torch.from_numpy(centres[labels] + 0.3 * rng.standard_normal((labels.size, 6)))
+    weight, bias = torch.from_numpy(centres[:3].copy()), torch.zeros(3, dtype=torch.float64)
+    rows, biases = fit_new_rows(features, torch.from_numpy(labels), weight, bias, 4)
+    assert rows.shape == (1, 6) and biases.shape == (1,) and rows.dtype == np.float32
+    logits = np.concatenate([features.numpy() @ centres[:3].T, features.numpy() @ rows.T + biases], axis=1)
+    assert np.mean(logits.argmax(1)[labels == 3] == 3) == 1.0 and np.mean(logits.argmax(1)[labels < 3] == 3) == 0.0
+    assert torch.equal(weight, torch.from_numpy(centres[:3]))  # the old rows are not touched
+    # weight decay keeps the row bounded on separable data; a stronger one shrinks it
+    strong, _ = fit_new_rows(features, torch.from_numpy(labels), weight, bias, 4, weight_decay=1.0)
+    assert 0 < np.linalg.norm(strong) < np.linalg.norm(rows) < 1e3
+    with pytest.raises(ValueError, match="Invalid row fit"):
+        fit_new_rows(features, torch.from_numpy(labels), weight, bias, 3)
+
+
+def test_row_proposals_are_merged_weighted_by_the_windows_of_each_class():
+    a = (np.array([[1.0, 0.0], [5.0, 5.0]]), np.array([1.0, 9.0]), np.array([3, 0]))  # no windows of class 5
+    b = (np.array([[0.0, 1.0]]), np.array([3.0]), np.array([1]))
+    merged = merge_row_proposals([a, b], old=4, new=6, dim=2)
+    assert list(merged) == [4]  # nobody has windows of class 5: it keeps the default start
+    np.testing.assert_allclose(merged[4][0], [0.75, 0.25]) and merged[4][1] == pytest.approx(1.5)
+    for bad in [(np.zeros((1, 3)), np.zeros(1), np.ones(1)), (np.full((1, 2), np.inf), np.zeros(1), np.ones(1)),
+                (np.zeros((1, 2)), np.zeros(1), -np.ones(1)), (np.zeros((3, 2)), np.zeros(3), np.ones(3))]:
+        with pytest.raises(ValueError, match="Invalid row proposal"):
+            merge_row_proposals([bad], old=4, new=6, dim=2)
+
+
 def test_forgetting_oracle():
     after = [[0.8], [0.6, 0.7], [0.5, 0.75, 0.9]]
     # phase 0: best 0.8 -> 0.5; phase 1: best 0.7 -> 0.75 (no forgetting: -0.05)
@@ -231,6 +273,27 @@ def test_the_server_damps_the_aggregate_towards_the_anchors_after_a_phase_end(ka
     assert controller.end_of_round(3, aggregate, [])["w"].numpy().tolist() == expected
 
 
+def _train_reply(seen: int, proposal: dict | None = None) -> Message:
+    instruction = Message(RecordDict({"config": ConfigRecord({})}), message_type=MessageType.TRAIN, dst_node_id=1)
+    content = RecordDict({wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10, wire.CLASSES_SEEN: seen})})
+    if proposal is not None:
+        content[wire.NEW_CLASSES] = ConfigRecord(proposal)
+    return Message(content, reply_to=instruction)
+
+
+def test_the_head_grows_from_the_proposed_row_and_a_malformed_proposal_is_left_out(flower_task_identity, caplog):
+    controller = _controller()
+    arrays = ArrayRecord({"head.weight": Array(np.ones((3, 2), np.float32)), "head.bias": Array(np.zeros(3, np.float32))})
+    good = _train_reply(4, {wire.NEW_ROWS: [0.5, -0.5, 2.0], wire.NEW_COUNTS: [7]})
+    bad = _train_reply(4, {wire.NEW_ROWS: [float("nan"), 0.0, 1.0], wire.NEW_COUNTS: [3]})
+    short = _train_reply(4, {wire.NEW_ROWS: [0.5], wire.NEW_COUNTS: [3]})
+    grown = controller.end_of_round(1, arrays, [good, bad, short, _train_reply(3)])
+    np.testing.assert_array_equal(grown["head.weight"].numpy(), [[1, 1]] * 3 + [[0.5, -0.5]])
+    np.testing.assert_array_equal(grown["head.bias"].numpy(), [0, 0, 0, 2.0])
+    assert caplog.text.count("proposes invalid new-class rows") == 2
+    assert controller.expansions == [{"round": 1, "from": 3, "to": 4, "proposed_rows": [3]}]
+
+
 # --------------------------------------------------------------------------- a short two-phase run
 
 SHORT = dict(
@@ -256,7 +319,8 @@ def test_the_head_grows_and_every_site_adopts_it(two_phase_run):
     summary, folder, _ = two_phase_run
     c = summary["continual"]
     assert c["initial_classes"] == NUM_CLASSES - 1 and c["classes"] == NUM_CLASSES
-    assert c["expansions"] == [{"round": 3, "from": NUM_CLASSES - 1, "to": NUM_CLASSES}]  # first round of phase 1
+    # first round of phase 1; the line that has the new class proposed its row
+    assert c["expansions"] == [{"round": 3, "from": NUM_CLASSES - 1, "to": NUM_CLASSES, "proposed_rows": [NUM_CLASSES - 1]}]
     assert head_classes(load_file(folder / "model.safetensors")) == NUM_CLASSES
     rounds = _rows(folder / "rounds.csv")
     assert all(int(r["sites"]) == 3 and int(r["failures"]) == 0 for r in rounds)  # no reply rejected, before or after

@@ -322,6 +322,17 @@ def test_new_rows_learn_from_their_own_samples():
     assert model.head.weight[3].abs().sum() > 0 and model.head.bias[3] > float(grown["head.bias"][3])
 
 
+def test_expand_head_takes_proposed_rows_for_the_classes_given():
+    state = _numpy_state(FaultCNN(in_channels=1, num_classes=3, width=8))
+    grown = expand_head(state, 5, new_rows={4: (np.full(32, 0.5, np.float32), 1.5)})
+    np.testing.assert_array_equal(grown["head.weight"][:3], state["head.weight"])  # old rows bit-identical
+    assert not grown["head.weight"][3].any() and grown["head.bias"][3] == state["head.bias"].min()  # not proposed
+    assert np.all(grown["head.weight"][4] == 0.5) and grown["head.bias"][4] == np.float32(1.5)
+    for bad in ({2: (np.zeros(32), 0.0)}, {3: (np.zeros(31), 0.0)}, {3: (np.full(32, np.nan), 0.0)}):
+        with pytest.raises(ValueError, match="Invalid new row"):
+            expand_head(state, 5, new_rows=bad)
+
+
 def test_per_class_arrays_follow_the_head():
     fisher = {"head.weight": np.ones((3, 2), np.float32), "head.bias": np.ones(3, np.float32), "conv": np.ones(5)}
     padded = pad_head_rows(fisher, 5)
