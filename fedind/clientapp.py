@@ -79,6 +79,13 @@ def _site_seed(config: RunConfig, site_id: str, server_round: int) -> int:
     return (config.seed * 1_000_003 + zlib.crc32(site_id.encode()) * 101 + server_round) % 2**31
 
 
+def refit_from(msg: Message, num_classes: int) -> int:
+    """The first class whose row the server asks holders to refit (``num_classes``: none)."""
+    value = msg.content.config_records.get(wire.NEW_CLASSES, {}).get(wire.REFIT_FROM)
+    valid = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= num_classes
+    return value if valid else num_classes
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     config = run_config_of(msg)
@@ -92,9 +99,12 @@ def train(msg: Message, context: Context) -> Message:
     # Score the global model on local data first: the site's view of the federation.
     before = evaluate_known(model, site.test if site.test is not None else site.train, device)
     seen = classes_seen(site.train, site.test) if config.phases > 1 else num_classes
+    # Classes the head lacks, and the phase's young classes (the server's refit-from): propose
+    # their rows, fitted on the model as received (fedind.continual).
+    first = min(num_classes, refit_from(msg, num_classes))
     proposal = None
-    if seen > num_classes:  # classes the head lacks: propose their rows, from the model as received
-        proposal = propose_new_rows(model, site.train, seen, config.logit_adjustment, device)
+    if seen > first and np.any(site.train.y >= first):
+        proposal = propose_new_rows(model, site.train, seen, config.logit_adjustment, device, first=first)
     seed = _site_seed(config, site.site_id, server_round)
     torch.manual_seed(seed)
     histogram = np.bincount(train_data.y, minlength=num_classes)

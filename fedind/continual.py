@@ -29,7 +29,11 @@ buffers grow with it.
 features with the old rows held fixed, under the loss of its local training (its logit
 adjustment and weight decay), solved to the optimum (convex in the new rows). The server
 starts each new row from the proposals weighted by the proposers' windows of that class
-(:func:`merge_row_proposals`; without a valid proposal, ``W = 0``, ``b = min b``). Why:
+(:func:`merge_row_proposals`; without a valid proposal, ``W = 0``, ``b = min b``). Until
+the phase in which they grew ends, the holders refit those rows every round on the model
+they receive (the train message's ``refit-from``), and their merged fit replaces the
+aggregated rows: once, at the growth, was not enough, as the features moved on under the
+new phase's data and the grown row recognised nothing two rounds later. Why:
 under logit adjustment a site without the class sends almost no gradient to its row, so
 the federated average dilutes the one line that has it by that line's share of the
 examples; a zero row then took 20 rounds to recognise a class one line had 8 windows of,
@@ -132,12 +136,24 @@ def fit_new_rows(
 
 
 def propose_new_rows(
-    model: nn.Module, data: SiteArrays, num_classes: int, tau: float, device: torch.device, batch_size: int = 256
+    model: nn.Module,
+    data: SiteArrays,
+    num_classes: int,
+    tau: float,
+    device: torch.device,
+    *,
+    first: int | None = None,
+    batch_size: int = 256,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A site's proposal for the rows of the classes its data has beyond ``model``'s head
-    (``num_classes`` = :func:`classes_seen`): :func:`fit_new_rows` on ``model.features`` of
-    every window in ``data``, with the logit adjustment ``tau`` of its label histogram.
-    Returns ``(rows [m, F], biases [m], windows of each new class [m])``, ``m`` new classes."""
+    """A site's proposal for the head rows of classes ``first .. num_classes - 1``
+    (``first`` defaults to the end of ``model``'s head; ``num_classes`` =
+    :func:`classes_seen`): :func:`fit_new_rows` on ``model.features`` of every window in
+    ``data``, rows before ``first`` held fixed, with the logit adjustment ``tau`` of its
+    label histogram. Returns ``(rows [m, F], biases [m], windows of each class [m])``."""
+    head = model.head.out_features
+    first = head if first is None else first
+    if not 1 <= first <= head:
+        raise ValueError(f"Invalid first class {first!r} for a head of {head}")
     model.to(device).eval()
     with torch.no_grad():
         features = torch.cat(
@@ -146,10 +162,9 @@ def propose_new_rows(
         )
     counts = np.bincount(data.y, minlength=num_classes)
     adjustment = prior_logit_adjustment(counts, tau) if tau else None
-    rows, biases = fit_new_rows(
-        features, torch.from_numpy(data.y), model.head.weight.cpu(), model.head.bias.cpu(), num_classes, adjustment
-    )
-    return rows, biases, counts[model.head.out_features :]
+    weight, bias = model.head.weight.detach().cpu()[:first], model.head.bias.detach().cpu()[:first]
+    rows, biases = fit_new_rows(features, torch.from_numpy(data.y), weight, bias, num_classes, adjustment)
+    return rows, biases, counts[first:]
 
 
 def merge_row_proposals(

@@ -45,7 +45,7 @@ from .config import RunConfig
 from .continual import evaluate_known, forgetting, merge_row_proposals, replay_capacity, restore_replay
 from .data.format import SiteArrays
 from .ewc import EWCPenalty, EWCState, server_consolidation
-from .expansion import HEAD_WEIGHT, expand_head, pad_head_rows
+from .expansion import HEAD_WEIGHT, expand_head, pad_head_rows, set_head_rows
 from .files import atomic_write
 from .metering import payload_bytes, site_id_of
 from .models import FaultCNN
@@ -184,11 +184,21 @@ class PhaseController:
         self.rows: list[dict] = []  # per-round scores (phases.csv)
         self.replay: dict[str, dict] = {}  # site -> latest replay figures
         self._records: dict[str, ArrayRecord] | None = None  # EWC records, built once per change
+        # First class whose head row its holders refit every round (see fedind.continual): the
+        # rows grown in the current phase; None when none grew.
+        self.young_from: int | None = None
 
     # ------------------------------------------------------------------ round hooks
 
-    def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
-        """``ewc-fisher`` and ``ewc-anchors`` for every train message once a phase ended."""
+    def train_records(self, server_round: int) -> dict[str, ArrayRecord | ConfigRecord]:
+        """``ewc-fisher`` and ``ewc-anchors`` for every train message once a phase ended, and
+        ``new-classes`` (``refit-from``) while the current phase has grown rows."""
+        records: dict[str, ArrayRecord | ConfigRecord] = dict(self._ewc_records())
+        if self.young_from is not None:
+            records[wire.NEW_CLASSES] = ConfigRecord({wire.REFIT_FROM: self.young_from})
+        return records
+
+    def _ewc_records(self) -> dict[str, ArrayRecord]:
         if self.ewc is None or not self.ewc.phases:
             return {}
         if self._records is None:
@@ -216,22 +226,33 @@ class PhaseController:
             claimed = max(claimed, int(seen))
             if wire.NEW_CLASSES in reply.content.config_records:
                 proposing.append((site_id_of(reply), reply.content.config_records[wire.NEW_CLASSES]))
+        # Proposals cover the classes from the first young one (or the head's end) on.
+        first = self.num_classes if self.young_from is None else self.young_from
+        rows = self._proposed_rows(server_round, arrays, first, max(claimed, self.num_classes), proposing)
+        young = {k: r for k, r in rows.items() if k < self.num_classes}
+        if young:  # their holders' fit replaces the average, in which the others diluted them
+            state = set_head_rows({name: a.numpy() for name, a in arrays.items()}, young)
+            arrays = ArrayRecord({name: Array(np.ascontiguousarray(state[name])) for name in arrays.keys()})
         if claimed > self.num_classes:
-            rows = self._proposed_rows(server_round, arrays, claimed, proposing)
-            arrays = self.grow(server_round, arrays, claimed, rows)
+            if self.young_from is None:
+                self.young_from = self.num_classes
+            arrays = self.grow(server_round, arrays, claimed, {k: r for k, r in rows.items() if k >= self.num_classes})
         if self.ewc is not None and self.ewc.phases and self.config.ewc_server_lambda > 0:
             arrays = self.damp(arrays)
         if server_round in self.config.phase_end_rounds():
             phase = self.config.phase_of(server_round)
             if phase not in self.consolidated and (self.ewc is not None or self.config.replay_samples):
                 self.end_phase(server_round, phase, arrays)
+            self.young_from = None  # rows grown in a phase are ordinary rows from the next one on
         return arrays
 
     def _proposed_rows(
-        self, server_round: int, arrays: ArrayRecord, num_classes: int, proposing: list[tuple[str, Mapping]]
+        self, server_round: int, arrays: ArrayRecord, first: int, num_classes: int, proposing: list[tuple[str, Mapping]]
     ) -> dict[int, tuple[np.ndarray, float]]:
-        """The sites' proposed rows for the new classes, merged (:func:`merge_row_proposals`);
-        a malformed proposal is logged and left out."""
+        """The sites' proposed rows for classes ``first .. num_classes - 1``, merged
+        (:func:`merge_row_proposals`); a malformed proposal is logged and left out."""
+        if not proposing:
+            return {}
         dim = arrays[HEAD_WEIGHT].shape[1]
         valid = []
         for site, record in proposing:
@@ -242,12 +263,12 @@ class PhaseController:
                 if counts.ndim != 1 or flat.shape != (m * (dim + 1),):
                     raise ValueError(f"{flat.size} values for {m} classes of {dim} features (+ bias)")
                 proposal = (flat[: m * dim].reshape(m, dim), flat[m * dim :], counts)
-                merge_row_proposals([proposal], self.num_classes, num_classes, dim)  # validates it
+                merge_row_proposals([proposal], first, num_classes, dim)  # validates it
             except (TypeError, ValueError) as err:
                 log(WARNING, "round %d: site %s proposes invalid new-class rows (%s); ignored", server_round, site, err)
                 continue
             valid.append(proposal)
-        return merge_row_proposals(valid, self.num_classes, num_classes, dim)
+        return merge_row_proposals(valid, first, num_classes, dim)
 
     def grow(
         self, server_round: int, arrays: ArrayRecord, num_classes: int,
@@ -397,7 +418,7 @@ class PhaseController:
                 "max_samples": max((e["samples"] for e in windows.values()), default=0),
                 "max_bytes": max((e["bytes"] for e in windows.values()), default=0),
             },
-            "ewc_bytes_per_train_message": payload_bytes(RecordDict(self.train_records(0))) if self.ewc and self.ewc.phases else 0,
+            "ewc_bytes_per_train_message": payload_bytes(RecordDict(self._ewc_records())) if self.ewc and self.ewc.phases else 0,
         }
 
     # ------------------------------------------------------------------ state
@@ -410,11 +431,13 @@ class PhaseController:
             "expansions": [dict(e) for e in self.expansions],
             "rows": [dict(r) for r in self.rows],
             "replay": {s: dict(e) for s, e in self.replay.items()},
+            "young_from": self.young_from,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
         keys = {"num_classes", "ewc", "consolidated", "expansions", "rows", "replay"}
-        if not isinstance(state, Mapping) or set(state) != keys:
+        # young_from is optional: checkpoints from before it resume with no young rows
+        if not isinstance(state, Mapping) or not keys <= set(state) <= keys | {"young_from"}:
             raise ValueError(f"Invalid continual state: keys {sorted(state) if isinstance(state, Mapping) else state!r}")
         if (state["ewc"] is None) != (self.ewc is None):
             raise ValueError("Invalid continual state: EWC state does not match ewc-lambda")
@@ -426,7 +449,11 @@ class PhaseController:
         self.consolidated = [int(p) for p in state["consolidated"]]
         self.expansions = [dict(e) for e in state["expansions"]]
         self.rows = [dict(r) for r in state["rows"]]
+        young = state.get("young_from")
+        if young is not None and not (isinstance(young, int) and not isinstance(young, bool) and 1 <= young <= int(state["num_classes"])):
+            raise ValueError(f"Invalid continual state: young_from = {young!r}")
         self.replay = {str(s): dict(e) for s, e in state["replay"].items()}
+        self.young_from = young
         self._records = None
 
 

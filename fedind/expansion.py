@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["HEAD_BIAS", "HEAD_WEIGHT", "expand_head", "head_classes", "pad_head_rows"]
+__all__ = ["HEAD_BIAS", "HEAD_WEIGHT", "expand_head", "head_classes", "pad_head_rows", "set_head_rows"]
 
 HEAD_WEIGHT = "head.weight"
 HEAD_BIAS = "head.bias"
@@ -98,6 +98,25 @@ def expand_head(
         out[weight_key][k] = row
         out[bias_key][k] = b
     return out
+
+
+def set_head_rows(
+    state: Mapping[str, np.ndarray],
+    rows: Mapping[int, tuple[np.ndarray, float]],
+    *,
+    weight_key: str = HEAD_WEIGHT,
+    bias_key: str = HEAD_BIAS,
+) -> dict[str, np.ndarray]:
+    """``state`` with the head rows of the classes in ``rows`` (``{class: (row [F], bias)}``)
+    replaced; every other row bit-identical, dtypes kept, other entries passed through."""
+    classes = head_classes(state, weight_key, bias_key)
+    weight, bias = np.array(state[weight_key], copy=True), np.array(state[bias_key], copy=True)
+    for k, (row, b) in rows.items():
+        row = np.asarray(row)
+        if not (0 <= k < classes) or row.shape != weight.shape[1:] or not (np.all(np.isfinite(row)) and np.isfinite(b)):
+            raise ValueError(f"Invalid row for class {k!r}: shape {row.shape} (head {weight.shape})")
+        weight[k], bias[k] = row, b
+    return {**state, weight_key: weight, bias_key: bias}
 
 
 def pad_head_rows(

@@ -28,6 +28,7 @@ from fedind.continual import (
     forgetting,
     known,
     merge_row_proposals,
+    propose_new_rows,
     replay_bytes,
     replay_capacity,
     restore_replay,
@@ -47,6 +48,7 @@ from fedind.data.federation import FederationSpec
 from fedind.data.format import DataFormatError, SiteArrays, batch_dir, load_site, validate_phases, write_split
 from fedind.data.synthetic import NUM_CLASSES
 from fedind.expansion import head_classes
+from fedind.models import FaultCNN
 from fedind.replay import ReplayBuffer
 from fedind.simulation import simulate
 from fedind.strategies import build_strategy, grow_strategy_classes, strategy_state
@@ -257,7 +259,7 @@ def test_strategy_state_is_padded_when_the_head_grows(strategy):
 
 
 def _controller(**config) -> PhaseController:
-    config = RunConfig(num_server_rounds=4, phases=2, phase_rounds=2, ewc_lambda=1.0, **config)
+    config = RunConfig(**{"num_server_rounds": 4, "phases": 2, "phase_rounds": 2, "ewc_lambda": 1.0, **config})
     return PhaseController(
         config, strategy=build_strategy(config, num_sites=1), grid=None, node_ids=[], num_classes=3,
         initial_classes=3, test_sets=[None, None], device=None, folder=Path("."), run_config_json="{}",
@@ -282,7 +284,7 @@ def _train_reply(seen: int, proposal: dict | None = None) -> Message:
 
 
 def test_the_head_grows_from_the_proposed_row_and_a_malformed_proposal_is_left_out(flower_task_identity, caplog):
-    controller = _controller()
+    controller = _controller(ewc_lambda=0.0)  # no phase-end query to send
     arrays = ArrayRecord({"head.weight": Array(np.ones((3, 2), np.float32)), "head.bias": Array(np.zeros(3, np.float32))})
     good = _train_reply(4, {wire.NEW_ROWS: [0.5, -0.5, 2.0], wire.NEW_COUNTS: [7]})
     bad = _train_reply(4, {wire.NEW_ROWS: [float("nan"), 0.0, 1.0], wire.NEW_COUNTS: [3]})
@@ -292,6 +294,34 @@ def test_the_head_grows_from_the_proposed_row_and_a_malformed_proposal_is_left_o
     np.testing.assert_array_equal(grown["head.bias"].numpy(), [0, 0, 0, 2.0])
     assert caplog.text.count("proposes invalid new-class rows") == 2
     assert controller.expansions == [{"round": 1, "from": 3, "to": 4, "proposed_rows": [3]}]
+
+    # until the phase ends (round 2), the holders refit the grown row and their fit replaces the average
+    assert controller.young_from == 3
+    assert controller.train_records(2)[wire.NEW_CLASSES][wire.REFIT_FROM] == 3
+    averaged = ArrayRecord({"head.weight": Array(np.full((4, 2), 9.0, np.float32)),
+                            "head.bias": Array(np.zeros(4, np.float32))})
+    refit = controller.end_of_round(2, averaged, [_train_reply(4, {wire.NEW_ROWS: [0.25, 0.75, -1.0], wire.NEW_COUNTS: [2]})])
+    np.testing.assert_array_equal(refit["head.weight"].numpy(), [[9, 9]] * 3 + [[0.25, 0.75]])
+    np.testing.assert_array_equal(refit["head.bias"].numpy(), [0, 0, 0, -1.0])
+    assert controller.young_from is None and wire.NEW_CLASSES not in controller.train_records(3)
+    state = controller.state_dict()
+    assert state["young_from"] is None
+    controller.load_state_dict({**state, "young_from": 3})
+    assert controller.young_from == 3
+    with pytest.raises(ValueError, match="young_from"):
+        controller.load_state_dict({**state, "young_from": 9})
+
+
+def test_a_site_proposes_rows_from_the_first_young_class_on():
+    torch.manual_seed(0)
+    model = FaultCNN(in_channels=1, num_classes=4, width=8)
+    rng = np.random.default_rng(0)
+    data = SiteArrays(rng.standard_normal((20, 1, 256)).astype(np.float32), np.repeat(np.arange(5), 4))
+    rows, biases, counts = propose_new_rows(model, data, 5, 0.5, torch.device("cpu"), first=3)
+    assert rows.shape == (2, 32) and biases.shape == (2,) and counts.tolist() == [4, 4]
+    assert propose_new_rows(model, data, 5, 0.5, torch.device("cpu"))[0].shape == (1, 32)  # beyond the head only
+    with pytest.raises(ValueError, match="first class"):
+        propose_new_rows(model, data, 5, 0.5, torch.device("cpu"), first=5)
 
 
 # --------------------------------------------------------------------------- a short two-phase run

@@ -15,7 +15,7 @@ from fedind.ewc import (
     merge_fisher,
     server_consolidation,
 )
-from fedind.expansion import expand_head, head_classes, pad_head_rows
+from fedind.expansion import expand_head, head_classes, pad_head_rows, set_head_rows
 from fedind.models import FaultCNN
 from fedind.training import train_local
 
@@ -331,6 +331,17 @@ def test_expand_head_takes_proposed_rows_for_the_classes_given():
     for bad in ({2: (np.zeros(32), 0.0)}, {3: (np.zeros(31), 0.0)}, {3: (np.full(32, np.nan), 0.0)}):
         with pytest.raises(ValueError, match="Invalid new row"):
             expand_head(state, 5, new_rows=bad)
+
+
+def test_set_head_rows_replaces_only_the_rows_given():
+    state = _numpy_state(FaultCNN(in_channels=1, num_classes=3, width=8))
+    out = set_head_rows(state, {1: (np.full(32, 2.0, np.float32), -1.0)})
+    np.testing.assert_array_equal(out["head.weight"][[0, 2]], state["head.weight"][[0, 2]])
+    assert np.all(out["head.weight"][1] == 2.0) and out["head.bias"][1] == np.float32(-1.0)
+    assert not np.all(state["head.weight"][1] == 2.0)  # the input is not modified
+    assert out["head.weight"].dtype == np.float32 and out["features.1.weight"] is state["features.1.weight"]
+    with pytest.raises(ValueError, match="Invalid row"):
+        set_head_rows(state, {3: (np.zeros(32), 0.0)})
 
 
 def test_per_class_arrays_follow_the_head():
