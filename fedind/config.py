@@ -54,9 +54,6 @@ class RunConfig:
     fedadam_tau: float = 0.001  # fedadam adaptivity (larger = closer to FedAvgM)
     trimmed_beta: float = 0.2  # fedtrimmedavg: share of the lowest and of the highest values cut per coordinate
     krum_malicious: int = 1  # krum: number of malicious sites it assumes per round
-    reputation: bool = False  # screen: reject sites whose updates keep pointing against the round's median update
-    reputation_threshold: float = -0.1  # screen: a site's decayed mean cosine below this is rejected (after 5 rounds)
-    reputation_decay: float = 0.95  # screen: weight of the past in a site's decayed mean cosine
     dwa_weighting: bool = True  # dwa: weight sites by n_i * exp(-KL(P_i || P_global) / T)
     dwa_temperature: float = 3.0  # dwa: T; larger = closer to FedAvg weights
     dwa_floor: float = 0.1  # dwa: every site keeps at least this share of its FedAvg weight
@@ -126,8 +123,6 @@ class RunConfig:
             "fedadam-tau": self.fedadam_tau > 0,
             "trimmed-beta": 0 <= self.trimmed_beta < 0.5,
             "krum-malicious": self.krum_malicious >= 0,
-            "reputation-threshold": -1 < self.reputation_threshold < 0,
-            "reputation-decay": 0 < self.reputation_decay < 1,
             "dwa-temperature": self.dwa_temperature > 0,
             "dwa-floor": 0 <= self.dwa_floor <= 1,
             "conflict-threshold": 0 <= self.conflict_threshold <= 1,
@@ -259,8 +254,6 @@ class RunConfig:
             )
         # restart-agreement needs no check: DWA sees one (aggregate) reply, whose agreement is
         # 1 everywhere, so its restart is the ungated one (as with restart-agreement = 0).
-        # reputation needs no check either: nothing is screened under encryption (see serverapp),
-        # so, like the other screen rules, it has no effect there.
         if self.phases > 1:
             raise ConfigError(
                 f"Invalid run config phases = {self.phases}: {why}; continual learning needs each site's "

@@ -51,26 +51,11 @@ for every strategy — Flower's or fedind's):
    update every round it recovers part of the loss only (0.600 -> 0.740 at c = 2, 0.733
    at c = 1).
 
-5. **Direction reputation** (:class:`DirectionReputation`, per site across rounds; on with
-   ``reputation``): every round with at least 3 valid replies, each site's update gets its
-   cosine :math:`c_{i,t}` to the coordinate-wise median of the round's valid deltas
-   (:func:`median_cosines`), and the site's score is the bias-corrected exponential moving
-   average :math:`\sum_k \beta^k c_{i,t-k} / \sum_k \beta^k` (``reputation-decay``
-   :math:`\beta`). From its 5th scored round on, a site whose score is below
-   ``reputation-threshold`` :math:`\tau` (< 0) is rejected, and its updates keep being
-   scored, so a site that turns honest comes back. One round says little under Non-IID
-   data (an honest line with its own faults can point against the median: cosines down to
-   -0.8 were measured), but over rounds honest lines share the features and average
-   clearly above 0, while a reversed update averages below it (``simulations/poisoning.py``;
-   README, *Poisoning*). The score is kept by site id (the one a site reports; a
-   site that changes its id starts afresh) and saved in the server checkpoint.
-
 A rejected reply becomes an error reply (code :data:`REJECTED_UPDATE`) whose reason names
 the fault and the site; strategies drop error replies and the server logs and counts them as failures,
 so the round goes on with the rest. What this does not catch: an update of ordinary norm
-pointing the wrong way (a sign-flipped site) without the reputation rule, and within the
-reputation's first rounds; the README's fault table reports what such a site costs, and
-``simulations/poisoning.py`` how much it costs each strategy.
+pointing the wrong way (a sign-flipped site); the README's fault table reports what such a
+site costs, and ``simulations/poisoning.py`` how much it costs each strategy.
 """
 
 from __future__ import annotations
@@ -86,8 +71,8 @@ from . import wire
 from .metering import site_id_of
 
 __all__ = [
-    "REJECTED_UPDATE", "DirectionReputation", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update",
-    "clip_factors", "median_cosines", "norm_outliers", "read_reply",
+    "REJECTED_UPDATE", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update", "clip_factors",
+    "norm_outliers", "read_reply",
 ]
 
 REJECTED_UPDATE = 1002  # Error code of a train reply the server screened out
@@ -136,79 +121,6 @@ def clip_factors(norms: Sequence[float], ratio: float) -> np.ndarray:
         return np.ones(0)
     bound = ratio * float(np.median(values))
     return np.minimum(1.0, bound / np.maximum(values, np.finfo(np.float64).tiny))
-
-
-def median_cosines(updates: Sequence[np.ndarray]) -> np.ndarray:
-    """Cosine of each update (a flat vector, all of one length) to the coordinate-wise median
-    of all of them; 0 for a zero update or a zero median (no direction to compare)."""
-    if not updates:
-        return np.zeros(0)
-    stacked = np.stack([np.asarray(u, dtype=np.float64).ravel() for u in updates])
-    if not np.all(np.isfinite(stacked)):
-        raise ValueError("Invalid updates: non-finite values")
-    middle = np.median(stacked, axis=0)
-    norms = np.linalg.norm(stacked, axis=1) * np.linalg.norm(middle)
-    dots = stacked @ middle
-    return np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), 0.0)
-
-
-class DirectionReputation:
-    """Per site, a bias-corrected exponential moving average of its update's cosine to the
-    round's median update (rule 5 of the module docstring).
-
-    ``threshold`` in (-1, 0): a site scoring below it is flagged; ``decay`` in (0, 1): the
-    weight of the past; ``min_rounds``: rounds scored before a site can be flagged.
-    """
-
-    def __init__(self, threshold: float = -0.1, decay: float = 0.95, min_rounds: int = 5) -> None:
-        if not (math.isfinite(threshold) and -1 < threshold < 0):
-            raise ValueError(f"Invalid threshold value: {threshold!r} (need -1 < threshold < 0)")
-        if not (math.isfinite(decay) and 0 < decay < 1):
-            raise ValueError(f"Invalid decay value: {decay!r} (need 0 < decay < 1)")
-        if isinstance(min_rounds, bool) or not isinstance(min_rounds, int) or min_rounds < 1:
-            raise ValueError(f"Invalid min_rounds value: {min_rounds!r}")
-        self.threshold, self.decay, self.min_rounds = float(threshold), float(decay), min_rounds
-        self._sites: dict[str, list[float]] = {}  # site -> [decayed sum of cosines, decayed weight, rounds]
-
-    def observe(self, sites: Sequence[str], cosines: Sequence[float]) -> None:
-        """One round's cosines, one per site (sites not in the round keep their score)."""
-        if len(sites) != len(cosines) or len(set(sites)) != len(sites):
-            raise ValueError(f"Invalid round: {len(sites)} sites (distinct?) for {len(cosines)} cosines")
-        for site, cosine in zip(sites, cosines):
-            if not (math.isfinite(cosine) and -1 - 1e-9 <= cosine <= 1 + 1e-9):
-                raise ValueError(f"Invalid cosine for site {site!r}: {cosine!r}")
-            total, weight, rounds = self._sites.get(site, (0.0, 0.0, 0))
-            self._sites[site] = [self.decay * total + float(cosine), self.decay * weight + 1.0, rounds + 1]
-
-    def score(self, site: str) -> float | None:
-        """The site's score (None before its first scored round)."""
-        entry = self._sites.get(site)
-        return None if entry is None else entry[0] / entry[1]
-
-    def rounds(self, site: str) -> int:
-        entry = self._sites.get(site)
-        return 0 if entry is None else int(entry[2])
-
-    def flagged(self, site: str) -> bool:
-        score = self.score(site)
-        return score is not None and self.rounds(site) >= self.min_rounds and score < self.threshold
-
-    def state_dict(self) -> dict:
-        """``{"sites": {site: [decayed sum, decayed weight, rounds]}}`` (JSON-able)."""
-        return {"sites": {site: list(entry) for site, entry in self._sites.items()}}
-
-    def load_state_dict(self, state: Mapping) -> None:
-        """Restore from :meth:`state_dict`; validates everything before changing ``self``."""
-        sites = state.get("sites") if isinstance(state, Mapping) else None
-        if not isinstance(sites, Mapping):
-            raise ValueError(f"Invalid reputation state: {state!r}")
-        loaded = {}
-        for site, entry in sites.items():
-            ok = isinstance(entry, (list, tuple)) and len(entry) == 3 and all(_is_real(v) for v in entry)
-            if not (ok and entry[1] > 0 and float(entry[2]).is_integer() and entry[2] >= 1 and abs(entry[0]) <= entry[1] + 1e-9):
-                raise ValueError(f"Invalid reputation state for site {site!r}: {entry!r}")
-            loaded[str(site)] = [float(entry[0]), float(entry[1]), int(entry[2])]
-        self._sites = loaded
 
 
 # --------------------------------------------------------------------------- checks
@@ -314,13 +226,11 @@ class UpdateScreen:
     ``min_ratio``: the parameters of the norm and count rules; ``norm_rule=False`` /
     ``count_rule=False`` turn one of them off (both off: only the structural checks).
     ``clip_ratio``: the norm clip's :math:`c` (None: no clip); a clipped reply keeps its
-    metrics and carries the scaled-down weights. ``reputation``: the direction reputation
-    (rule 5; None: off), updated with every round screened.
+    metrics and carries the scaled-down weights.
     """
 
     def __init__(self, num_classes: int | None = None, *, z: float = 3.5, min_ratio: float = 10.0,
-                 norm_rule: bool = True, count_rule: bool = True, clip_ratio: float | None = None,
-                 reputation: DirectionReputation | None = None) -> None:
+                 norm_rule: bool = True, count_rule: bool = True, clip_ratio: float | None = None) -> None:
         norm_outliers([1.0, 1.0, 1.0], z, min_ratio)  # validates z and min_ratio
         if clip_ratio is not None:
             clip_factors([1.0], clip_ratio)  # validates clip_ratio
@@ -330,7 +240,6 @@ class UpdateScreen:
         self.min_ratio = float(min_ratio)
         self.norm_rule = norm_rule
         self.count_rule = count_rule
-        self.reputation = reputation
 
     def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
         out = list(replies)
@@ -354,7 +263,7 @@ class UpdateScreen:
                 continue
             claimed = next(iter(reply.content.metric_records.values()))[wire.NUM_EXAMPLES]  # checked above
             valid.append((i, _norm(delta), float(claimed)))
-            if self.clip_ratio is not None or self.reputation is not None:
+            if self.clip_ratio is not None:
                 deltas[i] = (sent, delta)
         rules = [("update norm", 1, self.norm_rule), (wire.NUM_EXAMPLES, 2, self.count_rule)]
         reasons: dict[int, str] = {}  # position in out -> the first rule that rejects it
@@ -369,8 +278,6 @@ class UpdateScreen:
                         f"{label} {entry[column]:.4g} is an outlier ({entry[column] / median:.3g}x the round's "
                         f"median {median:.4g}; robust rule z={self.z:g}, min ratio {self.min_ratio:g})"
                     )
-        if self.reputation is not None and len(valid) >= 3:
-            self._score_directions(out, valid, deltas, reasons)
         for i, reason in reasons.items():
             out[i] = _rejected(instructions[out[i].metadata.src_node_id], reason, out[i])
         if self.clip_ratio is not None and valid:
@@ -378,23 +285,6 @@ class UpdateScreen:
                 if factor < 1.0 and i not in reasons:
                     out[i] = _clipped(instructions[out[i].metadata.src_node_id], out[i], *deltas[i], factor)
         return out
-
-
-    def _score_directions(self, out: list[Message], valid: list, deltas: dict, reasons: dict[int, str]) -> None:
-        """Rule 5: score the round's valid updates, then flag the sites whose score is low."""
-        positions = [entry[0] for entry in valid]
-        sites = [site_id_of(out[i]) for i in positions]
-        if len(set(sites)) != len(sites):  # two replies claim one site: score nobody this round
-            return
-        flat = [np.concatenate([d.ravel() for d in deltas[i][1].values()]) for i in positions]
-        self.reputation.observe(sites, median_cosines(flat).tolist())
-        for i, site in zip(positions, sites):
-            if i not in reasons and self.reputation.flagged(site):
-                reasons[i] = (
-                    f"direction reputation {self.reputation.score(site):+.2f} over {self.reputation.rounds(site)} rounds "
-                    f"is below {self.reputation.threshold:+.2f}: its updates keep pointing against the round's "
-                    "median update"
-                )
 
 
 def _clipped(instruction: Message, reply: Message, sent: Mapping[str, np.ndarray],

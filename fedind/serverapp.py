@@ -27,7 +27,7 @@ from .expansion import head_classes
 from .metering import MeteredGrid, PerReply, Traffic
 from .monitoring import RunMonitor, code_version
 from .models import FaultCNN
-from .screening import DirectionReputation, UpdateScreen
+from .screening import UpdateScreen
 from .results import RoundRow, RunRecorder, package_versions, rounds_to_target, save_model
 from .rounds import run_rounds
 from .strategies import build_strategy, load_strategy_state, strategy_state
@@ -98,10 +98,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     monitor = RunMonitor.start(config, folder.name, num_sites)  # Prometheus, if metrics-port > 0
     # Plaintext updates are screened before the strategy sees them (fedind.screening);
     # under encryption there is nothing the server could read to screen.
-    screen = None
-    if config.encryption == "none":
-        reputation = DirectionReputation(config.reputation_threshold, config.reputation_decay) if config.reputation else None
-        screen = UpdateScreen(num_classes, reputation=reputation)
+    screen = UpdateScreen(num_classes) if config.encryption == "none" else None
     metered = MeteredGrid(grid, transform=transform, screen=screen)
     clock = {"round": time.monotonic(), "checkpoint": time.monotonic()}
     site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0, **saved.get("site_cpu", {})}
@@ -123,7 +120,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         )
     arrays, first_round = initial, 1
     if checkpoint is not None:
-        arrays, first_round = restore_server(checkpoint, strategy, continual, screen), checkpoint.round + 1
+        arrays, first_round = restore_server(checkpoint, strategy, continual), checkpoint.round + 1
         log(INFO, "resuming run %s at round %d from %s", folder.name, first_round, checkpoint.path)
     started = time.monotonic() - float(saved.get("elapsed_seconds", 0.0))
 
@@ -173,8 +170,6 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         }
         if continual is not None:
             state["continual"] = continual.state_dict()  # EWC Fisher and anchors, classes, phase scores
-        if screen is not None and screen.reputation is not None:
-            state["reputation"] = screen.reputation.state_dict()  # each site's direction score
         path = store.save(server_round, {name: array.numpy() for name, array in arrays.items()}, state)
         clock["checkpoint"] = time.monotonic()
         log(INFO, "checkpoint of round %d saved to %s", server_round, path)
@@ -248,12 +243,10 @@ def resume_point(store: CheckpointStore, config: RunConfig) -> Checkpoint | None
     return checkpoint
 
 
-def restore_server(
-    checkpoint: Checkpoint, strategy, continual: PhaseController | None = None, screen: UpdateScreen | None = None
-) -> ArrayRecord:
-    """Put the strategy, the continual-learning state (EWC Fisher and anchors, classes), the
-    screen's site reputations and the server's random generators back as they were after
-    ``checkpoint.round``; return the global arrays, in the model's key order."""
+def restore_server(checkpoint: Checkpoint, strategy, continual: PhaseController | None = None) -> ArrayRecord:
+    """Put the strategy, the continual-learning state (EWC Fisher and anchors, classes) and
+    the server's random generators back as they were after ``checkpoint.round``; return the
+    global arrays, in the model's key order."""
     state = checkpoint.state
     keys = state["model_keys"]
     if sorted(keys) != sorted(checkpoint.arrays):
@@ -263,10 +256,6 @@ def restore_server(
         if "continual" not in state:
             raise ConfigError(f"cannot resume {checkpoint.path}: it has no continual-learning state")
         continual.load_state_dict(state["continual"])
-    if screen is not None and screen.reputation is not None:
-        if "reputation" not in state:
-            raise ConfigError(f"cannot resume {checkpoint.path}: it has no site reputations")
-        screen.reputation.load_state_dict(state["reputation"])
     version, internal, gauss = state["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(torch.from_numpy(np.asarray(state["rng"]["torch"], dtype=np.uint8)))

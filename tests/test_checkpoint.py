@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -212,20 +211,6 @@ def test_resume_without_a_name_picks_the_run_with_the_newest_checkpoint(tmp_path
         time.sleep(0.02)
     (tmp_path / "no-checkpoints").mkdir()
     assert run_folder(RunConfig(run_dir=str(tmp_path), resume=True)).name == "newer"
-
-
-def test_site_reputations_survive_a_checkpoint_and_a_resume(tmp_path):
-    from fedind.simulation import simulate
-
-    config = RunConfig(num_server_rounds=2, num_sites=3, samples_per_site=40, local_epochs=1, reputation=True,
-                       run_dir=str(tmp_path), run_name="rep")
-    simulate(config)
-    saved = CheckpointStore(tmp_path / "rep" / "checkpoints").load_latest().state["reputation"]["sites"]
-    assert sorted(saved) == ["line-00", "line-01", "line-02"] and all(entry[2] == 2 for entry in saved.values())
-    resumed = simulate(replace(config, num_server_rounds=3, resume=True))
-    assert resumed["rounds"] == 3
-    again = CheckpointStore(tmp_path / "rep" / "checkpoints").load_latest().state["reputation"]["sites"]
-    assert all(again[site][2] == 3 for site in saved)  # scored on: the resumed screen started from the saved scores
 
 
 # ---------------------------------------------------------------------- SIGKILL and resume
