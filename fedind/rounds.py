@@ -10,8 +10,8 @@ global model unchanged, ``after_round`` runs after every round (the checkpoint),
 aggregate keeps the global model's dtypes (:func:`in_dtypes_of`).
 
 Two optional hooks serve continual learning (:mod:`fedind.continual`): ``train_records``
-adds records to every train message of a round (EWC Fisher and anchors), and
-``end_of_round`` sees the round's train replies right after aggregation and may replace the
+adds records to every train message of a round (EWC Fisher and anchors, the young
+classes to refit), and ``end_of_round`` sees the round's train replies right after aggregation and may replace the
 global arrays (a grown classifier head) or talk to the sites (the phase-end query) before
 the round is scored and checkpointed.
 """
@@ -59,7 +59,7 @@ def run_rounds(
     evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None],
     min_sites: int = 1,
     after_round: Callable[[int, ArrayRecord], None] | None = None,
-    train_records: Callable[[int], Mapping[str, ArrayRecord]] | None = None,
+    train_records: Callable[[int], Mapping[str, ArrayRecord | ConfigRecord]] | None = None,
     end_of_round: Callable[[int, ArrayRecord, list[Message]], ArrayRecord] | None = None,
 ) -> ArrayRecord:
     """Run rounds ``first_round .. num_rounds`` from global ``arrays``; return the final arrays.
