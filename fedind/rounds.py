@@ -11,9 +11,9 @@ aggregate keeps the global model's dtypes (:func:`in_dtypes_of`).
 
 Two optional hooks serve continual learning (:mod:`fedind.continual`): ``train_records``
 adds records to every train message of a round (EWC Fisher and anchors, the young
-classes to refit), and ``end_of_round`` sees the round's train replies right after aggregation and may replace the
-global arrays (a grown classifier head) or talk to the sites (the phase-end query) before
-the round is scored and checkpointed.
+classes to refit), and ``end_of_round`` sees the round's train replies right after
+aggregation and may replace the global arrays (a grown classifier head, refitted rows) or
+talk to the sites (the phase-end query) before the round is scored and checkpointed.
 """
 
 from __future__ import annotations
