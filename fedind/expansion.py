@@ -91,12 +91,10 @@ def expand_head(
     out = dict(state)
     out[weight_key] = _pad(weight, new, 0.0)
     out[bias_key] = _pad(bias, new, new_bias)
-    for k, (row, b) in (new_rows or {}).items():
-        row = np.asarray(row)
-        if not (old <= k < new) or row.shape != weight.shape[1:] or not (np.all(np.isfinite(row)) and np.isfinite(b)):
-            raise ValueError(f"Invalid new row for class {k!r}: shape {row.shape} (head {weight.shape}, {old} -> {new})")
-        out[weight_key][k] = row
-        out[bias_key][k] = b
+    if new_rows:
+        if any(not old <= k < new for k in new_rows):
+            raise ValueError(f"Invalid new rows for classes {sorted(new_rows)}: only {old}..{new - 1} are new")
+        out = set_head_rows(out, new_rows, weight_key=weight_key, bias_key=bias_key)
     return out
 
 
