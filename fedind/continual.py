@@ -64,6 +64,7 @@ from .training import WEIGHT_DECAY, evaluate, prior_logit_adjustment
 
 __all__ = [
     "PhaseScore",
+    "check_row_proposal",
     "classes_seen",
     "evaluate_known",
     "fit_new_rows",
@@ -167,6 +168,17 @@ def propose_new_rows(
     return rows, biases, counts[first:]
 
 
+def check_row_proposal(proposal: tuple[np.ndarray, np.ndarray, np.ndarray], old: int, new: int, dim: int) -> None:
+    """ValueError unless ``proposal = (rows [m, dim], biases [m], counts [m])`` fits classes
+    ``old .. old + m - 1`` of a head growing to ``new``, with finite values and counts >= 0."""
+    rows, biases, counts = proposal
+    m = len(counts)
+    if rows.shape != (m, dim) or biases.shape != (m,) or old + m > new:
+        raise ValueError(f"Invalid row proposal: rows {rows.shape}, biases {biases.shape}, {m} counts")
+    if not (np.all(np.isfinite(rows)) and np.all(np.isfinite(biases)) and np.all(counts >= 0)):
+        raise ValueError("Invalid row proposal: non-finite values or negative counts")
+
+
 def merge_row_proposals(
     proposals: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], old: int, new: int, dim: int
 ) -> dict[int, tuple[np.ndarray, float]]:
@@ -176,12 +188,8 @@ def merge_row_proposals(
     counts [m])`` for classes ``old .. old + m - 1`` (checked: finite, counts >= 0)."""
     total: dict[int, list] = {}
     for rows, biases, counts in proposals:
-        m = len(counts)
-        if rows.shape != (m, dim) or biases.shape != (m,) or old + m > new:
-            raise ValueError(f"Invalid row proposal: rows {rows.shape}, biases {biases.shape}, {m} counts")
-        if not (np.all(np.isfinite(rows)) and np.all(np.isfinite(biases)) and np.all(counts >= 0)):
-            raise ValueError("Invalid row proposal: non-finite values or negative counts")
-        for j in range(m):
+        check_row_proposal((rows, biases, counts), old, new, dim)
+        for j in range(len(counts)):
             if counts[j] > 0:
                 entry = total.setdefault(old + j, [np.zeros(dim), 0.0, 0.0])
                 entry[0] += counts[j] * rows[j].astype(np.float64)

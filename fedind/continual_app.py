@@ -42,7 +42,14 @@ from flwr.serverapp.strategy import Strategy
 
 from . import wire
 from .config import RunConfig
-from .continual import evaluate_known, forgetting, merge_row_proposals, replay_capacity, restore_replay
+from .continual import (
+    check_row_proposal,
+    evaluate_known,
+    forgetting,
+    merge_row_proposals,
+    replay_capacity,
+    restore_replay,
+)
 from .data.format import SiteArrays
 from .ewc import EWCPenalty, EWCState, server_consolidation
 from .expansion import HEAD_WEIGHT, expand_head, pad_head_rows, set_head_rows
@@ -92,7 +99,7 @@ def load_replay(
 
 def save_replay(context: Context, buffer: ReplayBuffer, offered_phase: int) -> None:
     state = buffer.state_dict()
-    context.state[REPLAY_STATE] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in state.items()})
+    context.state[REPLAY_STATE] = _record(state)
     context.state[REPLAY_META] = ConfigRecord({"offered-phase": int(offered_phase)})
 
 
@@ -130,7 +137,7 @@ def pad_residuals(context: Context, key: str, num_classes: int) -> None:
     rows = arrays.get("head.bias")
     if rows is not None and rows.shape[0] < num_classes:
         padded = pad_head_rows(arrays, num_classes)
-        context.state[key] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in padded.items()})
+        context.state[key] = _record(padded)
 
 
 # =========================================================================== server
@@ -228,11 +235,10 @@ class PhaseController:
                 proposing.append((site_id_of(reply), reply.content.config_records[wire.NEW_CLASSES]))
         # Proposals cover the classes from the first young one (or the head's end) on.
         first = self.num_classes if self.young_from is None else self.young_from
-        rows = self._proposed_rows(server_round, arrays, first, max(claimed, self.num_classes), proposing)
+        rows = self._proposed_rows(server_round, arrays, first, claimed, proposing)
         young = {k: r for k, r in rows.items() if k < self.num_classes}
         if young:  # their holders' fit replaces the average, in which the others diluted them
-            state = set_head_rows({name: a.numpy() for name, a in arrays.items()}, young)
-            arrays = ArrayRecord({name: Array(np.ascontiguousarray(state[name])) for name in arrays.keys()})
+            arrays = _record(set_head_rows(_numpy(arrays), young))
         if claimed > self.num_classes:
             if self.young_from is None:
                 self.young_from = self.num_classes
@@ -263,7 +269,7 @@ class PhaseController:
                 if counts.ndim != 1 or flat.shape != (m * (dim + 1),):
                     raise ValueError(f"{flat.size} values for {m} classes of {dim} features (+ bias)")
                 proposal = (flat[: m * dim].reshape(m, dim), flat[m * dim :], counts)
-                merge_row_proposals([proposal], first, num_classes, dim)  # validates it
+                check_row_proposal(proposal, first, num_classes, dim)
             except (TypeError, ValueError) as err:
                 log(WARNING, "round %d: site %s proposes invalid new-class rows (%s); ignored", server_round, site, err)
                 continue
@@ -277,8 +283,7 @@ class PhaseController:
         """Grow the global head to ``num_classes`` and everything that follows it; new classes
         in ``rows`` start from those rows (:func:`fedind.expansion.expand_head`)."""
         old = self.num_classes
-        grown = expand_head({name: a.numpy() for name, a in arrays.items()}, num_classes, new_rows=rows)
-        arrays = ArrayRecord({name: Array(np.ascontiguousarray(grown[name])) for name in arrays.keys()})
+        arrays = _record(expand_head(_numpy(arrays), num_classes, new_rows=rows))
         grow_strategy_classes(self.strategy, arrays, num_classes)
         if self.screen is not None:
             self.screen.num_classes = num_classes
@@ -297,9 +302,8 @@ class PhaseController:
     def damp(self, arrays: ArrayRecord) -> ArrayRecord:
         """The server's EWC step (``ewc-server-lambda``): each coordinate's drift from its
         anchor damped by ``1 / (1 + kappa F)`` (:func:`fedind.ewc.server_consolidation`)."""
-        state = {name: a.numpy() for name, a in arrays.items()}
-        damped = server_consolidation(state, self.ewc.fisher, self.ewc.anchors, self.config.ewc_server_lambda)
-        return ArrayRecord({name: Array(np.ascontiguousarray(damped[name])) for name in arrays.keys()})
+        kappa = self.config.ewc_server_lambda
+        return _record(server_consolidation(_numpy(arrays), self.ewc.fisher, self.ewc.anchors, kappa))
 
     def end_phase(self, server_round: int, phase: int, arrays: ArrayRecord) -> None:
         """The phase-end query: sites offer their batch to their buffer and (EWC) send
@@ -332,7 +336,7 @@ class PhaseController:
             weights.append(n)
         if self.ewc is not None:
             if fishers:
-                self.ewc.consolidate(fishers, weights, {name: a.numpy() for name, a in arrays.items()})
+                self.ewc.consolidate(fishers, weights, _numpy(arrays))
                 self._records = None
                 log(INFO, "phase %d end: EWC consolidated the Fisher of %d sites", phase, len(fishers))
             else:
@@ -459,6 +463,10 @@ class PhaseController:
 
 def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({name: Array(np.ascontiguousarray(v)) for name, v in arrays.items()})
+
+
+def _numpy(arrays: ArrayRecord) -> dict[str, np.ndarray]:
+    return {name: a.numpy() for name, a in arrays.items()}
 
 
 def _read_fisher(reply: Message, arrays: ArrayRecord) -> tuple[dict[str, np.ndarray], float]:
