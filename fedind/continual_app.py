@@ -58,7 +58,7 @@ from .metering import payload_bytes, site_id_of
 from .models import FaultCNN
 from .replay import ReplayBuffer
 from .screening import UpdateScreen
-from .strategies import grow_strategy_classes
+from .strategies import grow_strategy_classes, reset_strategy_rows
 
 REPLAY_STATE = "replay-buffer"  # context.state ArrayRecord: ReplayBuffer.state_dict()
 REPLAY_META = "replay-meta"  # context.state ConfigRecord: {"offered-phase": int}
@@ -239,6 +239,7 @@ class PhaseController:
         young = {k: r for k, r in rows.items() if k < self.num_classes}
         if young:  # their holders' fit replaces the average, in which the others diluted them
             arrays = _record(set_head_rows(_numpy(arrays), young))
+            reset_strategy_rows(self.strategy, arrays, sorted(young))  # no momentum for steps not taken
         if claimed > self.num_classes:
             if self.young_from is None:
                 self.young_from = self.num_classes

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["HEAD_BIAS", "HEAD_WEIGHT", "expand_head", "head_classes", "pad_head_rows", "set_head_rows"]
+__all__ = ["HEAD_BIAS", "HEAD_WEIGHT", "expand_head", "head_classes", "pad_head_rows", "set_head_rows", "zero_head_rows"]
 
 HEAD_WEIGHT = "head.weight"
 HEAD_BIAS = "head.bias"
@@ -139,4 +139,25 @@ def pad_head_rows(
         raise ValueError(f"Invalid fill value: {fill!r}")
     for k in present:
         out[k] = _pad(np.asarray(arrays[k]), new, fill)
+    return out
+
+
+def zero_head_rows(
+    arrays: Mapping[str, np.ndarray],
+    classes,
+    *,
+    keys: Sequence[str] = (HEAD_WEIGHT, HEAD_BIAS),
+) -> dict[str, np.ndarray]:
+    """Per-class arrays that follow the head (momentum, moments) with the rows of ``classes``
+    set to 0; other rows and entries unchanged (copies of the edited arrays only)."""
+    out = dict(arrays)
+    for k in keys:
+        if k not in arrays:
+            continue
+        array = np.array(arrays[k], copy=True)
+        rows = [int(c) for c in classes]
+        if array.ndim == 0 or any(not 0 <= c < array.shape[0] for c in rows):
+            raise ValueError(f"Invalid classes {rows} for {k!r} of shape {array.shape}")
+        array[rows] = 0
+        out[k] = array
     return out

@@ -13,7 +13,8 @@ Two optional hooks serve continual learning (:mod:`fedind.continual`): ``train_r
 adds records to every train message of a round (EWC Fisher and anchors, the young
 classes to refit), and ``end_of_round`` sees the round's train replies right after
 aggregation and may replace the global arrays (a grown classifier head, refitted rows) or
-talk to the sites (the phase-end query) before the round is scored and checkpointed.
+talk to the sites (the phase-end query) before the round is scored and checkpointed; the
+strategy then steps from the replaced arrays (:func:`fedind.strategies.adopt_global_model`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
+
+from .strategies import adopt_global_model
 
 
 def in_dtypes_of(arrays: ArrayRecord, reference: ArrayRecord) -> ArrayRecord:
@@ -91,7 +94,10 @@ def run_rounds(
             if new_arrays is not None:
                 arrays = in_dtypes_of(new_arrays, arrays)
         if end_of_round is not None:
-            arrays = end_of_round(server_round, arrays, replies)
+            edited = end_of_round(server_round, arrays, replies)
+            if edited is not arrays:  # the strategy steps from the edited model next round
+                adopt_global_model(strategy, edited)
+            arrays = edited
         evaluate_replies = grid.send_and_receive(
             strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
         )

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, Krum, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from .config import RunConfig
-from .expansion import pad_head_rows
+from .expansion import pad_head_rows, zero_head_rows
 from .strategy import DWA
 
 
@@ -129,44 +131,73 @@ def load_strategy_state(strategy: Strategy, state: dict) -> None:
         strategy.v_t = None if state["v_t"] is None else {k: np.asarray(v) for k, v in state["v_t"].items()}
 
 
-# ---------------------------------------------------------------------- new classes
+# ---------------------------------------------------------------------- edits of the global model
+# The server may change the global model after the strategy's step (a grown head, refitted
+# young rows, EWC damping). The strategy must step from the edited model next round:
+# FedAvgM keeps its own copy from the round before, and an edit it did not see would enter
+# its pseudo-gradient as if its own step had made it, and momentum would repeat it round
+# after round (an edit d adds up to d / (1 - beta), 10 d at beta = 0.9).
+
+
+def adopt_global_model(strategy: Strategy, arrays: ArrayRecord) -> None:
+    """Make ``arrays`` (edited after the strategy's step) the model ``strategy`` steps from."""
+    _edit_strategy_state(strategy, arrays, lambda state: state)
 
 
 def grow_strategy_classes(strategy: Strategy, arrays: ArrayRecord, num_classes: int) -> None:
     """The head of the global model grew to ``num_classes`` (``arrays``, already grown):
     pad every piece of the strategy's cross-round state that follows it, with zeros
     (:func:`fedind.expansion.pad_head_rows`: no momentum, no moments, no label counts yet
-    for the new classes), and make ``arrays`` the strategy's current model.
+    for the new classes), and make ``arrays`` the strategy's current model."""
+    _edit_strategy_state(strategy, arrays, lambda state: pad_head_rows(state, num_classes), num_classes)
 
-    Stateless strategies need nothing; a strategy whose state this does not know is a
-    ValueError (RunConfig refuses such combinations before round 1)."""
+
+def reset_strategy_rows(strategy: Strategy, arrays: ArrayRecord, classes) -> None:
+    """The head rows of ``classes`` in ``arrays`` were set outside the strategy (a site's fit
+    replaced the average): zero their momentum and moments
+    (:func:`fedind.expansion.zero_head_rows`: the steps they hold were not taken) and make
+    ``arrays`` the strategy's current model."""
+    _edit_strategy_state(strategy, arrays, lambda state: zero_head_rows(state, classes))
+
+
+def _edit_strategy_state(
+    strategy: Strategy,
+    arrays: ArrayRecord,
+    edit: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    num_classes: int | None = None,
+) -> None:
+    """``arrays`` becomes the strategy's current model and ``edit`` maps every piece of its
+    cross-round state aligned with the arrays (name -> array); ``num_classes`` (a grown head)
+    also pads DWA's label histograms. Stateless strategies need nothing; a strategy whose
+    state this does not know is a ValueError (RunConfig refuses such combinations)."""
     names = list(arrays.keys())
     if isinstance(strategy, DWA):
         state = strategy.state_dict()
         histogram = state["global_histogram"]
-        if histogram is not None:
+        if histogram is not None and num_classes is not None:
             histogram = {
                 "num_classes": num_classes,
                 "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in histogram["sites"].items()},
             }
         state = {
             "global_histogram": histogram,
-            "momentum": {"buffers": pad_head_rows(state["momentum"]["buffers"], num_classes)},
+            "momentum": {"buffers": edit(state["momentum"]["buffers"])},
             "server_momentum": None
             if state["server_momentum"] is None
-            else {"buffers": pad_head_rows(state["server_momentum"]["buffers"], num_classes)},
+            else {"buffers": edit(state["server_momentum"]["buffers"])},
         }
-        strategy.num_classes = num_classes
+        if num_classes is not None:
+            strategy.num_classes = num_classes
         strategy.current_arrays = arrays
         strategy.load_state_dict(state)
     elif isinstance(strategy, FedAvgM):
         if strategy.momentum_vector is not None:
-            padded = pad_head_rows(dict(zip(names, strategy.momentum_vector, strict=True)), num_classes)
-            strategy.momentum_vector = [padded[name] for name in names]
+            edited = edit(dict(zip(names, strategy.momentum_vector, strict=True)))
+            strategy.momentum_vector = [edited[name] for name in names]
         strategy.current_arrays = arrays
     elif isinstance(strategy, FedAdam):
-        strategy.m_t = None if strategy.m_t is None else pad_head_rows(strategy.m_t, num_classes)
-        strategy.v_t = None if strategy.v_t is None else pad_head_rows(strategy.v_t, num_classes)
+        strategy.m_t = None if strategy.m_t is None else edit(strategy.m_t)
+        strategy.v_t = None if strategy.v_t is None else edit(strategy.v_t)
         strategy.current_arrays = {name: array.numpy() for name, array in arrays.items()}
     elif strategy_state(strategy):
-        raise ValueError(f"{type(strategy).__name__} keeps state the head's growth does not know how to pad")
+        raise ValueError(f"{type(strategy).__name__} keeps state an edit of the global model cannot follow")

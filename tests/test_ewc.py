@@ -15,7 +15,7 @@ from fedind.ewc import (
     merge_fisher,
     server_consolidation,
 )
-from fedind.expansion import expand_head, head_classes, pad_head_rows, set_head_rows
+from fedind.expansion import expand_head, head_classes, pad_head_rows, set_head_rows, zero_head_rows
 from fedind.models import FaultCNN
 from fedind.training import train_local
 
@@ -355,6 +355,17 @@ def test_per_class_arrays_follow_the_head():
     with pytest.raises(ValueError, match="disagree"):
         pad_head_rows({"head.weight": np.ones((3, 2)), "head.bias": np.ones(4)}, 5)
 
+
+
+def test_zeroing_head_rows_leaves_other_rows_and_entries_alone():
+    momentum = {"head.weight": np.ones((3, 2), np.float32), "head.bias": np.ones(3, np.float32), "conv": np.ones(5)}
+    out = zero_head_rows(momentum, [2])
+    np.testing.assert_array_equal(out["head.weight"], [[1, 1], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(out["head.bias"], [1, 1, 0])
+    assert out["conv"] is momentum["conv"] and momentum["head.bias"][2] == 1  # the input is not modified
+    assert zero_head_rows({}, [0]) == {}
+    with pytest.raises(ValueError, match="Invalid classes"):
+        zero_head_rows(momentum, [3])
 
 def test_ewc_state_grows_with_the_head_and_the_penalty_leaves_new_rows_free():
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ from flwr.serverapp.strategy import FedTrimmedAvg, FedAdam, FedAvg, FedAvgM, Fed
 from fedind import wire
 from fedind.config import RunConfig
 from fedind.rounds import in_dtypes_of, run_rounds
-from fedind.strategies import TrimmedFedAvgM, average_scalar_metrics, build_strategy
+from fedind.strategies import TrimmedFedAvgM, average_scalar_metrics, build_strategy, reset_strategy_rows
 from fedind.strategy import DWA
 
 
@@ -91,3 +91,32 @@ def test_in_dtypes_of_casts_to_the_reference_and_passes_a_matching_record_throug
     assert cast["extra"].numpy().dtype == np.float64  # no reference: kept
     np.testing.assert_array_equal(cast["w"].numpy(), np.float32([0.5, 1e-3]))
     assert in_dtypes_of(reference, reference) is reference
+
+
+@pytest.mark.parametrize("name", ["fedavgm", "trimmedavgm", "fedadam", "dwa"])
+def test_the_strategy_steps_from_the_model_end_of_round_edited(name, flower_task_identity):
+    # The server edits the model after the step (grown head, refitted rows, EWC damping).
+    # FedAvgM kept its own pre-edit copy: the edit then entered its pseudo-gradient and its
+    # momentum repeated it every round after (+90 in round 2 here, not +0.3).
+    strategy = build_strategy(RunConfig(strategy=name, min_sites=1, trimmed_beta=0.0), num_sites=2, num_classes=3)
+    seen = []
+
+    def edit(server_round, arrays, replies):
+        return ArrayRecord({"w": Array(np.full(4, 100.0, np.float32))}) if server_round == 1 else arrays
+
+    run_rounds(
+        strategy, TwoSites(), ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))}), first_round=1,
+        num_rounds=3, timeout=1.0, train_config=ConfigRecord(), evaluate_fn=lambda r, a: None,
+        after_round=lambda r, a: seen.append(float(a["w"].numpy()[0])), end_of_round=edit,
+    )
+    assert seen[0] == 100.0
+    assert 100.0 < seen[1] < seen[2] < 101.0  # the sites move it by 0.15 a round, momentum a little more
+
+
+def test_fedavgm_momentum_of_rows_set_outside_the_strategy_is_zeroed():
+    strategy = build_strategy(RunConfig(strategy="fedavgm"), num_sites=2)
+    arrays = ArrayRecord({"head.weight": Array(np.zeros((3, 2), np.float32)), "head.bias": Array(np.zeros(3, np.float32))})
+    strategy.momentum_vector = [np.ones((3, 2), np.float32), np.ones(3, np.float32)]
+    reset_strategy_rows(strategy, arrays, [1])
+    assert strategy.momentum_vector[0].tolist() == [[1, 1], [0, 0], [1, 1]]
+    assert strategy.momentum_vector[1].tolist() == [1, 0, 1] and strategy.current_arrays is arrays
