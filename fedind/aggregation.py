@@ -381,6 +381,7 @@ def conflict_aware_aggregate(
     weights,
     buffer: MomentumBuffer,
     threshold: float,
+    agreements: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     r"""Weighted mean of the sites' deltas, conflicting coordinates through ``buffer``.
 
@@ -392,15 +393,14 @@ def conflict_aware_aggregate(
 
     ``threshold = 0`` with a fresh buffer is exactly the weighted average; so is a single
     site (its agreement is 1 everywhere). 0-dim arrays work like any other. The result has
-    each array's input dtype.
+    each array's input dtype. ``agreements``: :math:`A` per name when the caller has it.
     """
     w, by_name = _per_array(deltas, weights)
+    agreements = agreements if agreements is not None else {n: sign_agreement(a, w) for n, (a, _) in by_name.items()}
     agreeing, conflicting, dtypes = {}, {}, {}
     for name, (arrays, dtypes[name]) in by_name.items():
         mean = np.average(np.stack(arrays), axis=0, weights=w)
-        agreeing[name], conflicting[name] = split_conflicts(
-            mean, sign_agreement(arrays, w), threshold
-        )
+        agreeing[name], conflicting[name] = split_conflicts(mean, agreements[name], threshold)
     applied = buffer.step(conflicting)
     return {n: (agreeing[n] + applied[n]).astype(dtypes[n], copy=False) for n in by_name}
 
@@ -514,6 +514,7 @@ def conflict_momentum_aggregate(
     momentum: RestartMomentum,
     threshold: float,
     damping: float = 1.0,
+    agreements: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     r"""Weighted mean of the sites' deltas through conflict-aware server momentum.
 
@@ -526,12 +527,13 @@ def conflict_momentum_aggregate(
     from conflicting ones (a separate damped buffer) routes the sites' corrections of an
     overshoot into the damped buffer while the amplified one keeps pushing — in fedind's
     default run that drove the model to chance level. The result has each array's input dtype.
+    ``agreements``: :math:`A` per name when the caller has it.
     """
     w, by_name = _per_array(deltas, weights)
-    means, gains, agreements, dtypes = {}, {}, {}, {}
+    agreements = agreements if agreements is not None else {n: sign_agreement(a, w) for n, (a, _) in by_name.items()}
+    means, gains, dtypes = {}, {}, {}
     for name, (arrays, dtypes[name]) in by_name.items():
         means[name] = np.average(np.stack(arrays), axis=0, weights=w)
-        agreements[name] = sign_agreement(arrays, w)
         gains[name] = agreement_gain(agreements[name], threshold, damping)
     step = momentum.step(means, gains, agreements)
     return {n: step[n].astype(dtypes[n], copy=False) for n in by_name}

@@ -283,12 +283,13 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             {name: u.arrays[name].astype(np.float64) - current[name].astype(np.float64) for name in current}
             for u in updates
         ]
+        agreements = {name: sign_agreement([d[name] for d in deltas], weights) for name in current}
         if self.conflict_buffer and isinstance(self.server_buffer, RestartMomentum):
             step = conflict_momentum_aggregate(
-                deltas, weights, self.server_buffer, self.threshold, self.conflict_damping
+                deltas, weights, self.server_buffer, self.threshold, self.conflict_damping, agreements
             )
         elif self.conflict_buffer:
-            step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold)
+            step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold, agreements)
         else:
             step = {
                 name: np.average(np.stack([d[name] for d in deltas]), axis=0, weights=weights)
@@ -302,7 +303,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.current_arrays = new
 
         metrics = self._aggregate_metrics(updates)
-        metrics[wire.CONFLICT_SHARE] = self._conflict_share(deltas, weights)
+        flagged = sum(int(np.count_nonzero(a < self.threshold)) for a in agreements.values())
+        metrics[wire.CONFLICT_SHARE] = flagged / max(sum(a.size for a in agreements.values()), 1)
         metrics[wire.DWA_WEIGHT_MIN] = float(weights.min())
         metrics[wire.DWA_WEIGHT_MAX] = float(weights.max())
         if isinstance(self.server_buffer, RestartMomentum):
@@ -418,15 +420,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             for u in updates
         ]
         return self.train_metrics_aggr_fn(records, self.weighted_by_key)
-
-    def _conflict_share(self, deltas: list[dict[str, np.ndarray]], weights: np.ndarray) -> float:
-        """Coordinates with weighted sign agreement below ``threshold`` / all coordinates."""
-        flagged = total = 0
-        for name in deltas[0]:
-            agreement = sign_agreement([d[name] for d in deltas], weights)
-            flagged += int(np.count_nonzero(agreement < self.threshold))
-            total += agreement.size
-        return flagged / total if total else 0.0
 
     # ------------------------------------------------------------------ state
 
