@@ -151,11 +151,11 @@ def zero_head_rows(
     """Per-class arrays that follow the head (momentum, moments) with the rows of ``classes``
     set to 0; other rows and entries unchanged (copies of the edited arrays only)."""
     out = dict(arrays)
+    rows = [int(c) for c in classes]
     for k in keys:
         if k not in arrays:
             continue
         array = np.array(arrays[k], copy=True)
-        rows = [int(c) for c in classes]
         if array.ndim == 0 or any(not 0 <= c < array.shape[0] for c in rows):
             raise ValueError(f"Invalid classes {rows} for {k!r} of shape {array.shape}")
         array[rows] = 0

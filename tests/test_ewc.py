@@ -356,7 +356,6 @@ def test_per_class_arrays_follow_the_head():
         pad_head_rows({"head.weight": np.ones((3, 2)), "head.bias": np.ones(4)}, 5)
 
 
-
 def test_zeroing_head_rows_leaves_other_rows_and_entries_alone():
     momentum = {"head.weight": np.ones((3, 2), np.float32), "head.bias": np.ones(3, np.float32), "conv": np.ones(5)}
     out = zero_head_rows(momentum, [2])
@@ -366,6 +365,7 @@ def test_zeroing_head_rows_leaves_other_rows_and_entries_alone():
     assert zero_head_rows({}, [0]) == {}
     with pytest.raises(ValueError, match="Invalid classes"):
         zero_head_rows(momentum, [3])
+
 
 def test_ewc_state_grows_with_the_head_and_the_penalty_leaves_new_rows_free():
     torch.manual_seed(0)

@@ -97,7 +97,7 @@ def test_in_dtypes_of_casts_to_the_reference_and_passes_a_matching_record_throug
 def test_the_strategy_steps_from_the_model_end_of_round_edited(name, flower_task_identity):
     # The server edits the model after the step (grown head, refitted rows, EWC damping).
     # FedAvgM kept its own pre-edit copy: the edit then entered its pseudo-gradient and its
-    # momentum repeated it every round after (+90 in round 2 here, not +0.3).
+    # momentum repeated it every round after (+90 in round 3 here, not +0.3).
     strategy = build_strategy(RunConfig(strategy=name, min_sites=1, trimmed_beta=0.0), num_sites=2, num_classes=3)
     seen = []
 
