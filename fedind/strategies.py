@@ -141,7 +141,7 @@ def load_strategy_state(strategy: Strategy, state: dict) -> None:
 
 def adopt_global_model(strategy: Strategy, arrays: ArrayRecord) -> None:
     """Make ``arrays`` (edited after the strategy's step) the model ``strategy`` steps from."""
-    _edit_strategy_state(strategy, arrays, lambda state: state)
+    _edit_strategy_state(strategy, arrays, None)
 
 
 def grow_strategy_classes(strategy: Strategy, arrays: ArrayRecord, num_classes: int) -> None:
@@ -163,41 +163,44 @@ def reset_strategy_rows(strategy: Strategy, arrays: ArrayRecord, classes) -> Non
 def _edit_strategy_state(
     strategy: Strategy,
     arrays: ArrayRecord,
-    edit: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    edit: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
     num_classes: int | None = None,
 ) -> None:
-    """``arrays`` becomes the strategy's current model and ``edit`` maps every piece of its
-    cross-round state aligned with the arrays (name -> array); ``num_classes`` (a grown head)
-    also pads DWA's label histograms. Stateless strategies need nothing; a strategy whose
-    state this does not know is a ValueError (RunConfig refuses such combinations)."""
+    """``arrays`` becomes the strategy's current model and ``edit`` (None: leave it) maps
+    every piece of its cross-round state aligned with the arrays (name -> array);
+    ``num_classes`` (a grown head) also pads DWA's label histograms. Stateless strategies
+    need nothing; a strategy whose state this does not know is a ValueError (RunConfig
+    refuses such combinations)."""
     names = list(arrays.keys())
     if isinstance(strategy, DWA):
-        state = strategy.state_dict()
-        histogram = state["global_histogram"]
-        if histogram is not None and num_classes is not None:
-            histogram = {
-                "num_classes": num_classes,
-                "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in histogram["sites"].items()},
+        strategy.current_arrays = arrays  # first: load_state_dict checks the buffers against it
+        if edit is not None:  # adoption alone copies no buffers
+            state = strategy.state_dict()
+            histogram = state["global_histogram"]
+            if histogram is not None and num_classes is not None:
+                histogram = {
+                    "num_classes": num_classes,
+                    "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in histogram["sites"].items()},
+                }
+            state = {
+                "global_histogram": histogram,
+                "momentum": {"buffers": edit(state["momentum"]["buffers"])},
+                "server_momentum": None
+                if state["server_momentum"] is None
+                else {"buffers": edit(state["server_momentum"]["buffers"])},
             }
-        state = {
-            "global_histogram": histogram,
-            "momentum": {"buffers": edit(state["momentum"]["buffers"])},
-            "server_momentum": None
-            if state["server_momentum"] is None
-            else {"buffers": edit(state["server_momentum"]["buffers"])},
-        }
-        if num_classes is not None:
-            strategy.num_classes = num_classes
-        strategy.current_arrays = arrays
-        strategy.load_state_dict(state)
+            if num_classes is not None:
+                strategy.num_classes = num_classes
+            strategy.load_state_dict(state)
     elif isinstance(strategy, FedAvgM):
-        if strategy.momentum_vector is not None:
+        if edit is not None and strategy.momentum_vector is not None:
             edited = edit(dict(zip(names, strategy.momentum_vector, strict=True)))
             strategy.momentum_vector = [edited[name] for name in names]
         strategy.current_arrays = arrays
     elif isinstance(strategy, FedAdam):
-        strategy.m_t = None if strategy.m_t is None else edit(strategy.m_t)
-        strategy.v_t = None if strategy.v_t is None else edit(strategy.v_t)
+        if edit is not None:
+            strategy.m_t = None if strategy.m_t is None else edit(strategy.m_t)
+            strategy.v_t = None if strategy.v_t is None else edit(strategy.v_t)
         strategy.current_arrays = {name: array.numpy() for name, array in arrays.items()}
     elif strategy_state(strategy):
         raise ValueError(f"{type(strategy).__name__} keeps state an edit of the global model cannot follow")
