@@ -16,14 +16,20 @@ for every strategy — Flower's or fedind's):
    :math:`s = 1.4826\,\mathrm{MAD}(\log\lVert d\rVert)` (a robust standard deviation), a
    reply is rejected when
 
-   .. math::  \log \lVert d_i \rVert - m > \max(\log r_{\min},\; z\, s)
+   .. math::  \log \lVert d_i \rVert - m > \min\big(\log r_{\max},\;
+              \max(\log r_{\min},\; z\, s)\big)
 
    i.e. its norm is more than ``z`` robust deviations above the median on a log scale, and
    in any case more than ``r_min`` times the median (default ``r_min = 10``, ``z = 3.5``,
-   Iglewicz and Hoaglin's cut-off). The floor keeps a round whose benign norms happen to be
+   Iglewicz and Hoaglin's cut-off); and more than ``r_max`` times the median (default 50)
+   is rejected whatever the spread. The floor keeps a round whose benign norms happen to be
    nearly equal (tiny MAD) from rejecting an honest site that trained a little further: an
    honest top-k update (error feedback releasing a residual) was measured at 5.8x its
-   round's median, which a floor of 4 rejected.
+   round's median, which a floor of 4 rejected. The ceiling closes the other side: when
+   honest norms spread widely (``s`` = 1.76, ratios 0.23x to 4x) the deviation rule alone
+   passed an update 321x the median, which threw the model from 0.76 to 0.21 accuracy
+   (poisoning benchmark, a site sending 100x its update, seed 0, round 30). The largest
+   honest ratio in that benchmark's 13,520 logged honest replies was 27.5x.
    Only the upper side is rejected: a small update cannot drag the average far. Rounds
    with fewer than 3 valid replies skip this rule (no robust median of two).
 3. **Example count** (per round, the same rule on ``num-examples``): a site whose claimed
@@ -86,26 +92,35 @@ class InvalidUpdate(ValueError):
 # --------------------------------------------------------------------------- maths
 
 
-def norm_outliers(norms: Sequence[float], z: float = 3.5, min_ratio: float = 10.0) -> np.ndarray:
+def norm_outliers(
+    norms: Sequence[float], z: float = 3.5, min_ratio: float = 10.0, max_ratio: float = 50.0
+) -> np.ndarray:
     """Boolean mask of the norms rejected by the module's robust rule (upper side only).
 
-    ``norms``: the L2 norms of the round's updates (finite, >= 0). Zero norms take part as
-    the smallest positive float, so they never make a median of ``-inf``. Fewer than 3
-    norms: nothing is flagged.
+    ``norms``: the L2 norms of the round's updates (finite, >= 0). The median and spread
+    are taken over the positive norms only: a site that did not move (norm 0) says nothing
+    about the size of a training step, and would otherwise drag the median towards zero
+    and make the ceiling reject every real update. Zero norms are never flagged. Fewer than
+    3 positive norms: nothing is flagged.
     """
     if not (math.isfinite(z) and z > 0):
         raise ValueError(f"Invalid z value: {z!r}")
     if not (math.isfinite(min_ratio) and min_ratio > 1):
         raise ValueError(f"Invalid min_ratio value: {min_ratio!r}")
+    if not (math.isfinite(max_ratio) and max_ratio >= min_ratio):
+        raise ValueError(f"Invalid max_ratio value: {max_ratio!r} (finite, at least min_ratio {min_ratio!r})")
     values = np.asarray(norms, dtype=np.float64)
     if values.ndim != 1 or np.any(~np.isfinite(values)) or np.any(values < 0):
         raise ValueError(f"Invalid norms: {norms!r} (finite, non-negative)")
-    if values.size < 3:
+    moved = values > 0
+    if np.count_nonzero(moved) < 3:
         return np.zeros(values.size, dtype=bool)
-    logs = np.log(np.maximum(values, np.finfo(np.float64).tiny))
+    logs = np.log(values[moved])
     median = np.median(logs)
     spread = MAD_TO_SIGMA * np.median(np.abs(logs - median))
-    return logs - median > max(math.log(min_ratio), z * spread)
+    flagged = np.zeros(values.size, dtype=bool)
+    flagged[moved] = logs - median > min(math.log(max_ratio), max(math.log(min_ratio), z * spread))
+    return flagged
 
 
 def clip_factors(norms: Sequence[float], ratio: float) -> np.ndarray:
@@ -223,21 +238,23 @@ class UpdateScreen:
     one replaced by an error reply.
 
     ``num_classes``: length of a valid label histogram (None: not checked). ``z`` and
-    ``min_ratio``: the parameters of the norm and count rules; ``norm_rule=False`` /
+    ``min_ratio`` and ``max_ratio``: the parameters of the norm and count rules; ``norm_rule=False`` /
     ``count_rule=False`` turn one of them off (both off: only the structural checks).
     ``clip_ratio``: the norm clip's :math:`c` (None: no clip); a clipped reply keeps its
     metrics and carries the scaled-down weights.
     """
 
     def __init__(self, num_classes: int | None = None, *, z: float = 3.5, min_ratio: float = 10.0,
-                 norm_rule: bool = True, count_rule: bool = True, clip_ratio: float | None = None) -> None:
-        norm_outliers([1.0, 1.0, 1.0], z, min_ratio)  # validates z and min_ratio
+                 max_ratio: float = 50.0, norm_rule: bool = True, count_rule: bool = True,
+                 clip_ratio: float | None = None) -> None:
+        norm_outliers([1.0, 1.0, 1.0], z, min_ratio, max_ratio)  # validates z and the ratios
         if clip_ratio is not None:
             clip_factors([1.0], clip_ratio)  # validates clip_ratio
         self.clip_ratio = None if clip_ratio is None else float(clip_ratio)
         self.num_classes = num_classes
         self.z = float(z)
         self.min_ratio = float(min_ratio)
+        self.max_ratio = float(max_ratio)
         self.norm_rule = norm_rule
         self.count_rule = count_rule
 
@@ -272,11 +289,11 @@ class UpdateScreen:
                 continue
             values = [entry[column] for entry in valid]
             median = float(np.median(values))
-            for entry, flagged in zip(valid, norm_outliers(values, self.z, self.min_ratio)):
+            for entry, flagged in zip(valid, norm_outliers(values, self.z, self.min_ratio, self.max_ratio)):
                 if flagged and entry[0] not in reasons:
                     reasons[entry[0]] = (
                         f"{label} {entry[column]:.4g} is an outlier ({entry[column] / median:.3g}x the round's "
-                        f"median {median:.4g}; robust rule z={self.z:g}, min ratio {self.min_ratio:g})"
+                        f"median {median:.4g}; robust rule z={self.z:g}, ratios {self.min_ratio:g} to {self.max_ratio:g})"
                     )
         for i, reason in reasons.items():
             out[i] = _rejected(instructions[out[i].metadata.src_node_id], reason, out[i])

@@ -6,7 +6,9 @@ trains honestly, then replaces its trained weights ``w`` by
     scale λ:     g + λ (w − g)      (boosting: its update counts λ times)
     signflip λ:  g − λ (w − g)      (its update, reversed and scaled)
 
-with ``g`` the global weights it received. Its ``num-examples`` and label histogram stay
+with ``g`` the global weights it received; ``absent`` sends an error reply instead (the
+site's data lost to the federation: what any defence that rejects the attacker every round
+ends with, the floor such a defence cannot beat). Its ``num-examples`` and label histogram stay
 honest, so only the weights are poisoned and the structural screen has nothing to catch;
 the server's norm rule (``fedind/screening.py``) sees the update norm, λ times the honest
 one. Every strategy runs behind that screen, as the server always does for plaintext
@@ -23,7 +25,7 @@ the server rejected (``failures`` summed over rounds.csv).
 
 (``key=value`` overrides first: ``--seeds``, ``--strategies``, ``--attacks`` and ``--sites``
 take every value after them; ``--no-run`` tabulates the finished runs of that grid only.)
-Attacks are ``scale<λ>`` or ``signflip<λ>``; the defaults are ``scale10`` (stealthy: at the
+Attacks are ``scale<λ>``, ``signflip<λ>`` or ``absent``; the defaults are ``scale10`` (stealthy: at the
 screen's 10x floor, it passes whenever the site's honest norm is at or below the round's
 median), ``scale100`` (obvious: rejected every round), ``signflip1`` (a plain reversed
 update of ordinary norm: never rejected) and ``signflip4`` (reversed and boosted: passes
@@ -52,7 +54,7 @@ from pathlib import Path
 from unittest import mock
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,7 +70,8 @@ from fedind.simulation import simulate  # noqa: E402
 from fedind.site_state import state_mod  # noqa: E402
 from fedind.transport import topk_mod  # noqa: E402
 
-KINDS = ("scale", "signflip")
+KINDS = ("scale", "signflip", "absent")
+ABSENT_CODE = 1003  # Error code of the absent site's train reply
 DEFAULT_STRATEGY = "fedavgm"
 CLEAN = "clean"
 
@@ -78,7 +81,7 @@ CLEAN = "clean"
 
 @dataclass(frozen=True)
 class Attack:
-    """``kind`` in :data:`KINDS`, ``strength`` λ > 0."""
+    """``kind`` in :data:`KINDS`, ``strength`` λ > 0 (1 for ``absent``)."""
 
     kind: str
     strength: float
@@ -88,17 +91,21 @@ class Attack:
             raise ValueError(f"Invalid attack kind: {self.kind!r} (choose from {', '.join(KINDS)})")
         if not (np.isfinite(self.strength) and self.strength > 0):
             raise ValueError(f"Invalid attack strength: {self.strength!r}")
+        if self.kind == "absent" and self.strength != 1.0:
+            raise ValueError(f"Invalid attack strength: {self.strength!r} (absent takes none)")
 
     @property
     def name(self) -> str:
-        return f"{self.kind}{self.strength:g}"
+        return "absent" if self.kind == "absent" else f"{self.kind}{self.strength:g}"
 
     @classmethod
     def parse(cls, text: str) -> "Attack":
-        """``scale10``, ``signflip4``, ``scale2.5``."""
+        """``scale10``, ``signflip4``, ``scale2.5``, ``absent``."""
+        if text == "absent":
+            return cls("absent", 1.0)
         match = re.fullmatch(r"(scale|signflip)([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)", text)
         if match is None:
-            raise ValueError(f"Invalid attack {text!r}: expected scale<λ> or signflip<λ>, e.g. scale10")
+            raise ValueError(f"Invalid attack {text!r}: expected scale<λ>, signflip<λ> or absent, e.g. scale10")
         return cls(match.group(1), float(match.group(2)))
 
 
@@ -108,7 +115,9 @@ def poison(
     r"""The attacker's weights: :math:`g + \lambda (w - g)` (scale) or
     :math:`g - \lambda (w - g)` (signflip), per array, in float64 and cast back to each
     array's dtype. ``sent``: the global weights ``g``; ``trained``: the honest ``w``.
-    Non-float arrays pass unchanged."""
+    Non-float arrays pass unchanged. (``absent`` has no weights: :class:`PoisonMod`.)"""
+    if attack.kind == "absent":
+        raise ValueError("the absent attack sends no weights")
     if set(sent) != set(trained):
         raise ValueError(f"arrays differ: {sorted(set(sent) ^ set(trained))}")
     sign = 1.0 if attack.kind == "scale" else -1.0
@@ -126,7 +135,7 @@ def poison(
 class PoisonMod:
     """Flower client mod (innermost, so it sees the dense trained weights): at the sites
     whose ``partition-id`` is in ``sites``, the train reply's weights become
-    :func:`poison` of them; everything else in the reply (``num-examples``, label
+    :func:`poison` of them (with ``absent``, an error reply); everything else in the reply (``num-examples``, label
     histogram, metrics) stays honest. Other sites and other messages pass unchanged."""
 
     attack: Attack
@@ -138,6 +147,8 @@ class PoisonMod:
             return reply
         if int(context.node_config.get("partition-id", -1)) not in self.sites:
             return reply
+        if self.attack.kind == "absent":
+            return Message(Error(code=ABSENT_CODE, reason="poisoning benchmark: this site is absent"), reply_to=msg)
         sent, trained = msg.content[wire.ARRAYS], reply.content[wire.ARRAYS]
         poisoned = poison(
             {k: sent[k].numpy() for k in sent}, {k: trained[k].numpy() for k in trained}, self.attack

@@ -53,7 +53,7 @@ def test_attack_names_round_trip(text, attack):
     assert Attack.parse(text) == attack and attack.name == text
 
 
-@pytest.mark.parametrize("text", ["flip4", "scale", "scale-1", "signflip0"])
+@pytest.mark.parametrize("text", ["flip4", "scale", "scale-1", "signflip0", "absent2"])
 def test_invalid_attacks_are_refused(text):
     with pytest.raises(ValueError, match="Invalid"):
         Attack.parse(text)
@@ -88,6 +88,16 @@ def test_the_mod_poisons_the_attacked_site_only_and_keeps_its_metrics_honest():
         np.testing.assert_array_equal(honest.content[wire.ARRAYS][k].numpy(), TRAINED[k])
     assert attacked.content[wire.METRICS][wire.NUM_EXAMPLES] == 10
     assert attacked.content[wire.METRICS][wire.LABEL_HISTOGRAM] == [6, 4]
+
+
+@pytest.mark.usefixtures("flower_task_identity")
+def test_an_absent_site_sends_an_error_reply_and_the_others_train():
+    mod = PoisonMod(Attack.parse("absent"), sites=(0,))
+    assert mod.attack.name == "absent"
+    assert mod(_instruction(), _context(0), _honest_site).has_error()
+    assert not mod(_instruction(), _context(3), _honest_site).has_error()
+    with pytest.raises(ValueError, match="no weights"):
+        poison(SENT, TRAINED, Attack("absent", 1.0))
 
 
 @pytest.mark.usefixtures("flower_task_identity")

@@ -39,14 +39,28 @@ def test_the_ratio_floor_protects_a_round_of_nearly_equal_norms():
     assert norm_outliers(equal + [2.5], min_ratio=2.0)[-1]
 
 
+def test_the_ratio_ceiling_rejects_a_huge_update_whatever_the_spread():
+    """The round of the poisoning benchmark (seed 0, round 30) where honest norms spread
+    from 0.23x to 4x the median: the deviation rule alone passed the 321x update."""
+    honest = [2.85, 1.13, 0.23, 0.26, 2.36, 0.87, 0.72, 0.25, 4.03]
+    assert not norm_outliers(honest + [321.0], max_ratio=1e9).any()  # the hole
+    assert norm_outliers(honest + [321.0]).tolist() == [False] * 9 + [True]
+    assert not norm_outliers(honest + [27.5]).any()  # the largest honest ratio logged
+    assert norm_outliers([1.0] * 9 + [6.0], min_ratio=4.0, max_ratio=5.0)[-1]
+
+
 def test_zero_norms_and_small_updates_are_not_flagged():
     assert not norm_outliers([0.0, 0.0, 1.0, 1e-9]).any()
+    # Sites that did not move do not shrink the scale: only the 60x update is flagged.
+    assert norm_outliers([0.0] * 6 + [1.0, 1.2, 0.9, 60.0]).tolist() == [False] * 9 + [True]
+    assert not norm_outliers([0.0] * 6 + [1.0, 1.2, 0.9, 5.0]).any()
 
 
 @pytest.mark.parametrize(
     "norms, kwargs",
     [([1.0, -1.0, 1.0], {}), ([1.0, float("nan"), 2.0], {}), ([1.0, 2.0, 3.0], {"z": 0.0}),
-     ([1.0, 2.0, 3.0], {"min_ratio": 1.0}), ([[1.0, 2.0]], {})],
+     ([1.0, 2.0, 3.0], {"min_ratio": 1.0}), ([1.0, 2.0, 3.0], {"max_ratio": 5.0}),
+     ([1.0, 2.0, 3.0], {"max_ratio": float("inf")}), ([[1.0, 2.0]], {})],
 )
 def test_invalid_rule_arguments_are_rejected(norms, kwargs):
     with pytest.raises(ValueError, match="Invalid"):
