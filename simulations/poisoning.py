@@ -64,7 +64,7 @@ from simulations.common import parse_overrides  # noqa: E402
 import fedind.serverapp  # noqa: E402
 from fedind import clientapp, wire  # noqa: E402
 from fedind.metering import site_id_of  # noqa: E402
-from fedind.screening import InvalidUpdate, UpdateScreen, check_update  # noqa: E402
+from fedind.screening import InvalidUpdate, UpdateScreen, check_update, peer_cosines  # noqa: E402
 from fedind.secure import decrypt_query, paillier_mod  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 from fedind.site_state import state_mod  # noqa: E402
@@ -193,7 +193,18 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
                 except InvalidUpdate:
                     continue
                 flat = np.concatenate([d.ravel() for d in delta.values()])
-                norms[reply.metadata.src_node_id] = (site_id_of(reply), flat)
+                head = np.concatenate([d.ravel() for k, d in sorted(delta.items()) if k.startswith("head.")])
+                metrics = next(iter(reply.content.metric_records.values()))
+                histogram = metrics.get(wire.LABEL_HISTOGRAM)
+                norms[reply.metadata.src_node_id] = (site_id_of(reply), flat, head, histogram)
+            with_histograms = {node: v for node, v in norms.items() if v[3] is not None}
+            peers = peers_head = {}
+            if len(with_histograms) >= 2:
+                nodes = list(with_histograms)
+                histograms = [with_histograms[n][3] for n in nodes]
+                peers = dict(zip(nodes, peer_cosines([with_histograms[n][1] for n in nodes], histograms)))
+                peers_head = dict(zip(nodes, peer_cosines([with_histograms[n][2] for n in nodes], histograms)))
+            norms = {node: v[:2] for node, v in norms.items()}
             if norms:
                 server_round = 1 + max((r["round"] for r in rows), default=0)
                 lengths = {node: float(np.linalg.norm(flat)) for node, (_, flat) in norms.items()}
@@ -204,6 +215,8 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
                     cosine = float(flat @ middle) / max(lengths[node] * float(np.linalg.norm(middle)), 1e-300)
                     rows.append({"round": server_round, "site": site, "norm": lengths[node],
                                  "ratio_to_median": lengths[node] / median, "cosine_to_median_update": cosine,
+                                 "peer_cosine": peers.get(node, float("nan")),
+                                 "peer_cosine_head": peers_head.get(node, float("nan")),
                                  "rejected": node in rejected})
             return out
 
@@ -223,7 +236,8 @@ def measure(
         with mock.patch.object(fedind.serverapp, "UpdateScreen", recording_screen(norms, clip_ratio)):
             simulate(replace(config, run_dir=str(out / "runs"), run_name=name), client_app=app)
         with open(folder / "norms.csv", "w", newline="") as f:
-            fields = ["round", "site", "norm", "ratio_to_median", "cosine_to_median_update", "rejected"]
+            fields = ["round", "site", "norm", "ratio_to_median", "cosine_to_median_update", "peer_cosine",
+                      "peer_cosine_head", "rejected"]
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(norms)
