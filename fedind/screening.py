@@ -78,7 +78,7 @@ from .metering import site_id_of
 
 __all__ = [
     "REJECTED_UPDATE", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update", "clip_factors",
-    "norm_outliers", "peer_cosines", "read_reply",
+    "norm_outliers", "read_reply",
 ]
 
 REJECTED_UPDATE = 1002  # Error code of a train reply the server screened out
@@ -136,35 +136,6 @@ def clip_factors(norms: Sequence[float], ratio: float) -> np.ndarray:
         return np.ones(0)
     bound = ratio * float(np.median(values))
     return np.minimum(1.0, bound / np.maximum(values, np.finfo(np.float64).tiny))
-
-
-def peer_cosines(deltas: Sequence[np.ndarray], histograms: Sequence[Sequence[float]]) -> np.ndarray:
-    r"""Per site, the cosine of its update to the updates of the sites that hold the same
-    classes: with :math:`p_i` the label distribution of site :math:`i` and
-    :math:`\mathrm{sim}_{ij}` the cosine of :math:`p_i` and :math:`p_j`,
-
-    .. math::  c_i = \cos\Big(d_i,\; \sum_{j \ne i} \mathrm{sim}_{ij}\, d_j / \lVert d_j \rVert\Big)
-
-    Each peer's update is normalised, so one long update does not set the reference. Sites
-    that share classes train the same head rows towards the same features, so an honest
-    site points with its label peers even where it points away from the round's overall
-    median (which mixes every class); a reversed update points against them. NaN where
-    a site has no peer (no class in common, or a zero update)."""
-    d = [np.asarray(x, dtype=np.float64).ravel() for x in deltas]
-    h = np.asarray(histograms, dtype=np.float64)
-    if len(d) != len(h) or h.ndim != 2 or np.any(h < 0) or not np.all(np.isfinite(h)):
-        raise ValueError("Invalid deltas/histograms: one non-negative histogram per delta, of equal length")
-    lengths = np.array([np.linalg.norm(x) for x in d])
-    units = [x / n if n > 0 else np.zeros_like(x) for x, n in zip(d, lengths)]
-    hn = np.linalg.norm(h, axis=1, keepdims=True)
-    sim = (h / np.where(hn > 0, hn, 1.0)) @ (h / np.where(hn > 0, hn, 1.0)).T
-    out = np.full(len(d), np.nan)
-    for i in range(len(d)):
-        reference = sum((sim[i, j] * units[j] for j in range(len(d)) if j != i), np.zeros_like(d[i]))
-        norm = np.linalg.norm(reference)
-        if norm > 0 and lengths[i] > 0:
-            out[i] = float(units[i] @ reference) / norm
-    return out
 
 
 # --------------------------------------------------------------------------- checks

@@ -5,7 +5,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from fedind import wire
-from simulations.poisoning import Attack, PoisonMod, poison
+from simulations.poisoning import Attack, PoisonMod, peer_cosines, poison
 
 SENT = {"conv.weight": np.full((2, 3), 1.0, np.float32), "head.bias": np.array([0.5, -0.5], np.float32)}
 TRAINED = {"conv.weight": np.full((2, 3), 1.25, np.float32), "head.bias": np.array([0.25, 0.0], np.float32)}
@@ -125,3 +125,29 @@ def test_the_benchmark_screen_records_norms_and_rejections():
     assert [r["rejected"] for r in rows].count(True) == 1
     assert max(r["ratio_to_median"] for r in rows) > 10
     assert all(-1 - 1e-9 <= r["cosine_to_median_update"] <= 1 + 1e-9 for r in rows)
+
+
+def test_peer_cosines_point_a_reversed_update_against_its_label_peers():
+    rng = np.random.default_rng(0)
+    shared, other = rng.normal(size=50), rng.normal(size=50)
+    deltas = [shared + 0.3 * rng.normal(size=50), 2 * shared, shared + 0.3 * rng.normal(size=50), -shared, other]
+    histograms = [[5, 5, 0, 0], [4, 6, 0, 0], [5, 4, 0, 0], [6, 4, 0, 0], [0, 0, 3, 7]]
+    c = peer_cosines(deltas, histograms)
+    assert min(c[:3]) > 0.5  # honest label peers agree
+    assert c[3] < -0.5  # the reversed one points against them
+    assert np.isnan(c[4])  # no class in common with anyone: no reference
+
+
+def test_peer_cosines_weight_peers_by_label_overlap_and_normalise_them():
+    # The peer sharing site 0's classes sets its reference, however short its update;
+    # the long update of a site with other classes does not.
+    deltas = [np.array([1.0, 0.0]), np.array([0.01, 0.0]), np.array([0.0, -100.0])]
+    c = peer_cosines(deltas, [[1, 0, 0], [1, 0, 0], [0, 1, 1]])
+    assert c[0] == pytest.approx(1.0)
+    assert np.isnan(peer_cosines([np.zeros(2), np.ones(2), np.ones(2)], [[1], [1], [1]])[0])
+
+
+@pytest.mark.parametrize("histograms", [[[1, 0]], [[1, 0], [-1, 2]], [[1, 0], [np.nan, 2]]])
+def test_peer_cosines_refuse_bad_histograms(histograms):
+    with pytest.raises(ValueError, match="Invalid"):
+        peer_cosines([np.ones(2), np.ones(2)], histograms)

@@ -6,7 +6,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 
 from fedind import wire
 from fedind.metering import MeteredGrid
-from fedind.screening import REJECTED_UPDATE, UpdateScreen, clip_factors, norm_outliers, peer_cosines
+from fedind.screening import REJECTED_UPDATE, UpdateScreen, clip_factors, norm_outliers
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -65,32 +65,6 @@ def test_zero_norms_and_small_updates_are_not_flagged():
 def test_invalid_rule_arguments_are_rejected(norms, kwargs):
     with pytest.raises(ValueError, match="Invalid"):
         norm_outliers(norms, **kwargs)
-
-
-def test_peer_cosines_point_a_reversed_update_against_its_label_peers():
-    rng = np.random.default_rng(0)
-    shared, other = rng.normal(size=50), rng.normal(size=50)
-    deltas = [shared + 0.3 * rng.normal(size=50), 2 * shared, shared + 0.3 * rng.normal(size=50), -shared, other]
-    histograms = [[5, 5, 0, 0], [4, 6, 0, 0], [5, 4, 0, 0], [6, 4, 0, 0], [0, 0, 3, 7]]
-    c = peer_cosines(deltas, histograms)
-    assert min(c[:3]) > 0.5  # honest label peers agree
-    assert c[3] < -0.5  # the reversed one points against them
-    assert np.isnan(c[4])  # no class in common with anyone: no reference
-
-
-def test_peer_cosines_weight_peers_by_label_overlap_and_normalise_them():
-    # The peer sharing site 0's classes sets its reference, however short its update;
-    # the long update of a site with other classes does not.
-    deltas = [np.array([1.0, 0.0]), np.array([0.01, 0.0]), np.array([0.0, -100.0])]
-    c = peer_cosines(deltas, [[1, 0, 0], [1, 0, 0], [0, 1, 1]])
-    assert c[0] == pytest.approx(1.0)
-    assert np.isnan(peer_cosines([np.zeros(2), np.ones(2), np.ones(2)], [[1], [1], [1]])[0])
-
-
-@pytest.mark.parametrize("histograms", [[[1, 0]], [[1, 0], [-1, 2]], [[1, 0], [np.nan, 2]]])
-def test_peer_cosines_refuse_bad_histograms(histograms):
-    with pytest.raises(ValueError, match="Invalid"):
-        peer_cosines([np.ones(2), np.ones(2)], histograms)
 
 
 # --------------------------------------------------------------------------- replies
