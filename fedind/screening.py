@@ -78,7 +78,7 @@ from .metering import site_id_of
 
 __all__ = [
     "REJECTED_UPDATE", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update", "clip_factors",
-    "norm_outliers", "read_reply",
+    "norm_outliers", "outlier_bounds", "read_reply",
 ]
 
 REJECTED_UPDATE = 1002  # Error code of a train reply the server screened out
@@ -92,16 +92,17 @@ class InvalidUpdate(ValueError):
 # --------------------------------------------------------------------------- maths
 
 
-def norm_outliers(
+def outlier_bounds(
     norms: Sequence[float], z: float = 3.5, min_ratio: float = 10.0, max_ratio: float = 50.0
-) -> np.ndarray:
-    """Boolean mask of the norms rejected by the module's robust rule (upper side only).
+) -> tuple[float, float]:
+    """``(bound, ceiling)`` of the module's robust rule for the round's ``norms``: a norm
+    above ``bound`` is an outlier, one above ``ceiling`` (``max_ratio`` times the median)
+    is beyond repair. Both ``inf`` when fewer than 3 norms are positive.
 
     ``norms``: the L2 norms of the round's updates (finite, >= 0). The median and spread
     are taken over the positive norms only: a site that did not move (norm 0) says nothing
     about the size of a training step, and would otherwise drag the median towards zero
-    and make the ceiling reject every real update. Zero norms are never flagged. Fewer than
-    3 positive norms: nothing is flagged.
+    and make the ceiling reject every real update.
     """
     if not (math.isfinite(z) and z > 0):
         raise ValueError(f"Invalid z value: {z!r}")
@@ -112,15 +113,23 @@ def norm_outliers(
     values = np.asarray(norms, dtype=np.float64)
     if values.ndim != 1 or np.any(~np.isfinite(values)) or np.any(values < 0):
         raise ValueError(f"Invalid norms: {norms!r} (finite, non-negative)")
-    moved = values > 0
-    if np.count_nonzero(moved) < 3:
-        return np.zeros(values.size, dtype=bool)
-    logs = np.log(values[moved])
-    median = np.median(logs)
-    spread = MAD_TO_SIGMA * np.median(np.abs(logs - median))
-    flagged = np.zeros(values.size, dtype=bool)
-    flagged[moved] = logs - median > min(math.log(max_ratio), max(math.log(min_ratio), z * spread))
-    return flagged
+    moved = values[values > 0]
+    if moved.size < 3:
+        return math.inf, math.inf
+    logs = np.log(moved)
+    median = float(np.median(logs))
+    spread = MAD_TO_SIGMA * float(np.median(np.abs(logs - median)))
+    allowed = min(math.log(max_ratio), max(math.log(min_ratio), z * spread))
+    return math.exp(median + allowed), math.exp(median + math.log(max_ratio))
+
+
+def norm_outliers(
+    norms: Sequence[float], z: float = 3.5, min_ratio: float = 10.0, max_ratio: float = 50.0
+) -> np.ndarray:
+    """Boolean mask of the norms above :func:`outlier_bounds`' bound (upper side only;
+    zero norms and rounds of fewer than 3 positive norms are never flagged)."""
+    bound, _ = outlier_bounds(norms, z, min_ratio, max_ratio)
+    return np.asarray(norms, dtype=np.float64) > bound
 
 
 def clip_factors(norms: Sequence[float], ratio: float) -> np.ndarray:
@@ -262,7 +271,7 @@ class UpdateScreen:
         out = list(replies)
         valid: list[tuple[int, float, float]] = []  # (position in out, update norm, num-examples)
         decoded: dict[int, dict[str, np.ndarray]] = {}  # the sites share one global ArrayRecord
-        deltas: dict[int, tuple] = {}  # position in out -> (sent, delta), for the norm clip
+        deltas: dict[int, tuple] = {}  # position in out -> (sent, delta), for scaling an update down
         for i, reply in enumerate(out):
             instruction = instructions.get(reply.metadata.src_node_id)
             if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
@@ -280,27 +289,35 @@ class UpdateScreen:
                 continue
             claimed = next(iter(reply.content.metric_records.values()))[wire.NUM_EXAMPLES]  # checked above
             valid.append((i, _norm(delta), float(claimed)))
-            if self.clip_ratio is not None:
-                deltas[i] = (sent, delta)
+            deltas[i] = (sent, delta)
         rules = [("update norm", 1, self.norm_rule), (wire.NUM_EXAMPLES, 2, self.count_rule)]
         reasons: dict[int, str] = {}  # position in out -> the first rule that rejects it
+        factors: dict[int, float] = {}  # position in out -> the factor its update is scaled by
         for label, column, active in rules:
             if not (active and valid):
                 continue
             values = [entry[column] for entry in valid]
             median = float(np.median(values))
-            for entry, flagged in zip(valid, norm_outliers(values, self.z, self.min_ratio, self.max_ratio)):
-                if flagged and entry[0] not in reasons:
-                    reasons[entry[0]] = (
-                        f"{label} {entry[column]:.4g} is an outlier ({entry[column] / median:.3g}x the round's "
-                        f"median {median:.4g}; robust rule z={self.z:g}, ratios {self.min_ratio:g} to {self.max_ratio:g})"
-                    )
+            bound, ceiling = outlier_bounds(values, self.z, self.min_ratio, self.max_ratio)
+            for entry in valid:
+                i, value = entry[0], entry[column]
+                if value <= bound or i in reasons:
+                    continue
+                if column == 1 and value <= ceiling:  # an outlying norm short of the ceiling: scaled down
+                    factors[i] = bound / value
+                    continue
+                reasons[i] = (
+                    f"{label} {value:.4g} is an outlier ({value / median:.3g}x the round's median {median:.4g}; "
+                    f"robust rule z={self.z:g}, ratios {self.min_ratio:g} to {self.max_ratio:g})"
+                )
         for i, reason in reasons.items():
             out[i] = _rejected(instructions[out[i].metadata.src_node_id], reason, out[i])
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
-                if factor < 1.0 and i not in reasons:
-                    out[i] = _clipped(instructions[out[i].metadata.src_node_id], out[i], *deltas[i], factor)
+                factors[i] = min(factor, factors.get(i, 1.0))
+        for i, factor in factors.items():
+            if factor < 1.0 and i not in reasons:
+                out[i] = _clipped(instructions[out[i].metadata.src_node_id], out[i], *deltas[i], factor)
         return out
 
 
