@@ -6,7 +6,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 
 from fedind import wire
 from fedind.metering import MeteredGrid
-from fedind.screening import REJECTED_UPDATE, UpdateScreen, clip_factors, norm_outliers
+from fedind.screening import REJECTED_UPDATE, UpdateScreen, clip_factors, norm_outliers, outlier_bounds
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -233,3 +233,39 @@ def test_rejected_updates_stay_rejected_under_the_clip():
     out = UpdateScreen(num_classes=3, clip_ratio=1.0)(instructions, replies)
     assert out[-1].has_error() and "outlier" in out[-1].error.reason
 
+
+
+def _boosted(factor: float, sites: int = 6) -> tuple[list[Message], list[Message]]:
+    instructions = {node: instruction(node) for node in range(1, sites + 1)}
+    replies = [reply(instructions[n], honest(n)) for n in range(1, sites)]
+    replies.append(reply(instructions[sites], {k: (v + factor * (honest(sites)[k] - v)).astype(v.dtype)
+                                               for k, v in GLOBAL.items()}))
+    return replies, UpdateScreen(num_classes=3)(instructions, replies)
+
+
+def test_an_outlying_norm_short_of_the_ceiling_is_scaled_down_to_the_bound_not_rejected():
+    """An honest line that keeps learning late in a run sends 10-27x the median: it is
+    scaled down to the rule's bound and its metrics and direction are kept."""
+    replies, out = _boosted(20.0)
+    assert not any(r.has_error() for r in out)
+    norms = [_delta_norm(r) for r in replies]
+    bound, ceiling = outlier_bounds(norms)
+    assert max(norms[:-1]) < bound < norms[-1] < ceiling
+    assert _delta_norm(out[-1]) == pytest.approx(bound, rel=1e-5)
+    before = replies[-1].content[wire.ARRAYS]["conv.weight"].numpy() - GLOBAL["conv.weight"]
+    after = out[-1].content[wire.ARRAYS]["conv.weight"].numpy() - GLOBAL["conv.weight"]
+    np.testing.assert_allclose(after, before * (bound / norms[-1]), rtol=1e-4, atol=1e-7)
+    assert out[-1].content[wire.METRICS][wire.LABEL_HISTOGRAM] == [5, 3, 2]
+    assert all(o is r for o, r in zip(out[:-1], replies[:-1]))
+
+
+def test_a_norm_beyond_the_ceiling_is_rejected():
+    _, out = _boosted(80.0)
+    assert out[-1].has_error() and "outlier" in out[-1].error.reason
+    assert not any(r.has_error() for r in out[:-1])
+
+
+def test_outlier_bounds_scale_with_the_median_of_the_moved_sites():
+    bound, ceiling = outlier_bounds([0.0, 0.0, 2.0, 2.0, 2.0])
+    assert bound == pytest.approx(20.0) and ceiling == pytest.approx(100.0)
+    assert outlier_bounds([0.0, 1.0, 2.0]) == (float("inf"), float("inf"))
