@@ -1108,3 +1108,18 @@ def test_ef21_state_dict_round_trip_continues_identically():
 def test_ef21_load_state_dict_rejects_bad_state(state, match):
     with pytest.raises(ValueError, match=match):
         EstimateFeedback().load_state_dict(state)
+
+
+def test_topk_allocation_diagnostic_keeps_the_same_total_and_ranks_by_weighted_magnitude():
+    from simulations.topk_allocation import fidelity, per_site_topk, weighted_global_topk
+
+    updates = np.array([[5.0, -4.0, 0.1, 0.7], [0.3, 0.2, -0.1, 0.05]])
+    weights = np.array([0.5, 0.5])
+    fixed = per_site_topk(updates, 2)
+    assert (fixed != 0).sum(axis=1).tolist() == [2, 2]
+    # The same 4 coordinates in all, by w |u|: 2.5, 2.0, 0.35 from site 0, 0.15 from site 1.
+    shared = weighted_global_topk(updates, weights, 4)
+    assert (shared != 0).sum(axis=1).tolist() == [3, 1]
+    dense = weights @ updates
+    assert fidelity(dense, weights @ shared)[0] < fidelity(dense, weights @ fixed)[0]
+    assert fidelity(dense, dense) == pytest.approx((0.0, 1.0))
