@@ -130,7 +130,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -328,61 +328,6 @@ def warmup_ratio(ratio: float, server_round: int, warmup_rounds: int) -> float:
     return float(ratio ** (server_round / (warmup_rounds + 1)))
 
 
-# --------------------------------------------------------------------------- shared allocation
-
-PROFILE_RANKS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # x k: where a site samples its magnitudes
-SHARED_MAX_FACTOR = 8  # shared allocation: one site sends at most this many times k
-
-
-def magnitude_profile(magnitudes: np.ndarray, k: int) -> np.ndarray:
-    """The ``r``-th largest of ``magnitudes`` at the ranks ``r = PROFILE_RANKS * k``
-    (rounded, at least 1, at most the size), largest first."""
-    mag = np.asarray(magnitudes, dtype=np.float64).ravel()
-    if mag.size == 0 or k < 1:
-        raise ValueError(f"Invalid profile request: {mag.size} magnitudes, k={k!r}")
-    ranks = [min(mag.size, max(1, int(round(f * k)))) for f in PROFILE_RANKS]
-    ordered = -np.partition(-mag, sorted(set(r - 1 for r in ranks)))
-    return np.array([ordered[r - 1] for r in ranks])
-
-
-def shared_counts(profiles: Sequence[Sequence[float] | None], k: int) -> list[int]:
-    r"""How many coordinates each site sends when one threshold :math:`\tau` on the
-    weighted magnitude :math:`n_i |u|` is shared by all sites, set so that they send
-    ``k`` each on average (``k * len(profiles)`` in all): the bytes of a round go where the
-    weighted average moves most, not ``k`` to every site.
-
-    ``profiles[i]``: site :math:`i`'s :func:`magnitude_profile` times its example count
-    :math:`n_i` (weighted magnitudes at ranks ``PROFILE_RANKS * k``), or None. A site's
-    count at a threshold is interpolated log-log between its profile points (clamped to
-    the end ranks, so between ``k / 8`` and ``SHARED_MAX_FACTOR * k``); the threshold is
-    solved by bisection on :math:`\log\tau`. A site without a usable profile (missing,
-    non-finite, non-positive or increasing) gets ``k``; the others share the rest."""
-    if k < 1:
-        raise ValueError(f"Invalid k value: {k!r}")
-    ranks = np.log(np.maximum(1.0, np.round(np.asarray(PROFILE_RANKS) * k)))[::-1]  # decreasing
-    curves: dict[int, np.ndarray] = {}
-    for i, profile in enumerate(profiles):
-        scores = np.asarray(profile if profile is not None else [], dtype=np.float64)
-        if scores.shape == ranks.shape and np.all(np.isfinite(scores)) and np.all(scores > 0) \
-                and not np.any(np.diff(scores) > 0):
-            curves[i] = np.log(scores[::-1])  # increasing, for np.interp
-    counts = [k] * len(profiles)
-    if not curves:
-        return counts
-
-    def at(log_tau: float) -> dict[int, float]:
-        return {i: float(np.exp(np.interp(log_tau, c, ranks))) for i, c in curves.items()}
-
-    target = k * len(curves)
-    lo, hi = min(c[0] for c in curves.values()), max(c[-1] for c in curves.values())
-    for _ in range(60):  # the total falls as the threshold rises
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if sum(at(mid).values()) > target else (lo, mid)
-    for i, count in at(0.5 * (lo + hi)).items():
-        counts[i] = int(min(SHARED_MAX_FACTOR * k, max(1, round(count))))
-    return counts
-
-
 # --------------------------------------------------------------------------- sparse tensor
 
 
@@ -497,17 +442,9 @@ class ErrorFeedback:
         self.seed = int(seed)
         self._residuals: dict[str, np.ndarray] = {}
         self._step = 0
-        self.profile: np.ndarray | None = None  # set by compress: magnitude_profile of update + residual
 
-    def compress(
-        self, update: Mapping[str, np.ndarray], ratio: float, profile_ratio: float | None = None
-    ) -> dict[str, SparseTensor]:
+    def compress(self, update: Mapping[str, np.ndarray], ratio: float) -> dict[str, SparseTensor]:
         """Sparsify and quantise ``update + residual``; keep what is not sent as residual.
-
-        After the call, :attr:`profile` holds the magnitudes of ``update + residual`` at the
-        ranks ``PROFILE_RANKS * k`` (what the server sets the next shared allocation from,
-        :func:`shared_counts`), with ``k`` of ``profile_ratio`` when given (the ratio after
-        warm-up), else of ``ratio``.
 
         Returns one :class:`SparseTensor` per array of ``update`` (same order; arrays with
         nothing selected have ``count == 0``). The residuals change only if this succeeds.
@@ -555,8 +492,6 @@ class ErrorFeedback:
         else:
             rng = np.random.default_rng([self.seed, self._step])
             selected = sampled_topk_indices(mag, k, rng)
-        profile_k = k if profile_ratio is None else min(total, max(1, int(round(profile_ratio * total))))
-        profile = magnitude_profile(mag, profile_k) if total else np.zeros(len(PROFILE_RANKS))
 
         out: dict[str, SparseTensor] = {}
         bounds = np.searchsorted(selected, offsets)
@@ -571,7 +506,6 @@ class ErrorFeedback:
             for name, shape, lo, hi in zip(names, shapes, offsets[:-1], offsets[1:])
         }
         self._step += 1
-        self.profile = profile
         return out
 
     def residual_norm(self) -> float:

@@ -70,7 +70,6 @@ class RunConfig:
     topk_feedback: str = "residual"  # topk: residual (classic error feedback) | estimate (EF21: server keeps each site's update estimate)
     topk_residual_decay: float = 0.8  # topk, residual: share of the error-feedback residual carried to the next round
     topk_estimate_decay: float = 1.0  # topk, estimate: share of the EF21 estimate carried to the next round (1 = EF21)
-    topk_allocation: str = "site"  # topk, residual: site (k per site) | shared (one server-set threshold on num-examples x |u| over all sites)
     topk_warmup_rounds: int = 3  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
     encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.secure)
     paillier_public_key: str = ""  # paillier: the server's public key file ("": simulate() makes a throwaway pair)
@@ -138,8 +137,6 @@ class RunConfig:
             "topk-residual-decay": 0 <= self.topk_residual_decay <= 1,
             "topk-estimate-decay": 0 <= self.topk_estimate_decay <= 1,
             "topk-warmup-rounds": self.topk_warmup_rounds >= 0,
-            "topk-allocation": self.topk_allocation in ("site", "shared")
-            and not (self.topk_allocation == "shared" and self.topk_feedback == "estimate"),
             "encryption": self.encryption in ENCRYPTIONS,
             "paillier-clip": math.isfinite(self.paillier_clip) and self.paillier_clip > 0,
             "paillier-key-bits": self.paillier_key_bits >= 512 and self.paillier_key_bits % 64 == 0,

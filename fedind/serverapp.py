@@ -33,7 +33,7 @@ from .rounds import run_rounds
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .training import evaluate, pick_device
 from .secure import encrypted_server
-from .transport import EstimateUplink, SharedAllocation, densify_reply
+from .transport import EstimateUplink, densify_reply
 
 app = ServerApp()
 
@@ -90,12 +90,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     else:
         strategy = build_strategy(config, num_sites, num_classes)
         ef21 = config.compression == "topk" and config.topk_feedback == "estimate"
-        if ef21:
-            transform = EstimateUplink(config.topk_estimate_decay)
-        elif config.compression == "topk" and config.topk_allocation == "shared":
-            transform = SharedAllocation(config.topk_ratio)
-        else:
-            transform = PerReply(densify_reply)
+        transform = EstimateUplink(config.topk_estimate_decay) if ef21 else PerReply(densify_reply)
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")

@@ -33,7 +33,6 @@ from .compression import (
     estimate_token,
     expected_of,
     from_record,
-    shared_counts,
     to_record,
     warmup_ratio,
 )
@@ -91,32 +90,11 @@ def topk_mod(msg: Message, context: Context, call_next: Callable[[Message, Conte
         sparse, base = feedback.compress(delta, ratio, server_token=str(held))
         content[wire.TOPK_ESTIMATE] = ConfigRecord({wire.TOKEN: base})
     else:
-        sparse = feedback.compress(delta, _site_ratio(msg, delta, config, server_round, ratio),
-                                   profile_ratio=config.topk_ratio)
-        if config.topk_allocation == "shared":
-            content[wire.TOPK_PROFILE] = ConfigRecord(
-                {wire.SCORES: [float(v) * _num_examples(reply) for v in feedback.profile]}
-            )
+        sparse = feedback.compress(delta, ratio)
     _save_feedback(context, feedback)
     content[wire.SPARSE_UPDATE] = to_record(encode(sparse))
     content[wire.METRICS][wire.COMPRESS_SECONDS] = time.process_time() - started
     return Message(content, reply_to=msg)
-
-
-def _num_examples(reply: Message) -> float:
-    return float(reply.content[wire.METRICS][wire.NUM_EXAMPLES])
-
-
-def _site_ratio(msg: Message, delta: dict, config: RunConfig, server_round: int, ratio: float) -> float:
-    """The share of coordinates this site sends: with the shared allocation after the
-    warm-up, the count the server allocated it (:class:`SharedAllocation`), else ``ratio``."""
-    if config.topk_allocation != "shared" or server_round <= config.topk_warmup_rounds:
-        return ratio
-    count = msg.content.config_records.get(wire.TOPK_ALLOCATION, {}).get(wire.COUNT)
-    total = sum(int(a.size) for a in delta.values())
-    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= total:
-        return ratio
-    return count / total
 
 
 def _rejected(instruction: Message, reason: str) -> Message:
@@ -134,7 +112,7 @@ def _with_weights(instruction: Message, reply: Message, delta: dict[str, np.ndar
     place of its sparse payload (and estimate token)."""
     sent = {name: array.numpy() for name, array in instruction.content[wire.ARRAYS].items()}
     dense = ArrayRecord({name: Array((base + delta[name]).astype(base.dtype)) for name, base in sent.items()})
-    dropped = (wire.SPARSE_UPDATE, wire.TOPK_ESTIMATE, wire.TOPK_PROFILE)
+    dropped = (wire.SPARSE_UPDATE, wire.TOPK_ESTIMATE)
     content = RecordDict({name: record for name, record in reply.content.items() if name not in dropped})
     content[wire.ARRAYS] = dense
     return Message(content, reply_to=instruction)
@@ -151,56 +129,6 @@ def densify_reply(instruction: Message, reply: Message) -> Message:
     except PayloadError as err:
         return _rejected(instruction, str(err))
     return _with_weights(instruction, reply, delta)
-
-
-class SharedAllocation:
-    """Server side of the shared allocation (``topk-allocation = "shared"``): instead of
-    the same k from every site, the round's coordinates go to the largest
-    ``num-examples x |u|`` over all sites (:func:`~fedind.compression.shared_counts`),
-    so the bytes go where the weighted average moves most
-    (``simulations/topk_allocation.py`` measures one round's gain in fidelity).
-
-    - ``__call__`` decodes each reply (:func:`densify_reply`) and keeps the weighted
-      magnitude profile it reports;
-    - :meth:`settle` turns the accepted replies' profiles into one count per site: about
-      ``topk-ratio`` of the coordinates per site on average, between ``k / 8`` and
-      ``8 k`` for one site;
-    - :meth:`prepare` puts each site's count in its next train instruction (a site with
-      no count yet, or after the warm-up's first rounds, sends its own top k).
-
-    Counts follow ranks, not magnitudes, so the bytes of a round stay on budget while the
-    updates shrink over the run. A profile that is missing or malformed only gives that
-    site k. Not in the server checkpoint: after a resume the first round sends k per site.
-    """
-
-    def __init__(self, ratio: float) -> None:
-        self.ratio = float(ratio)
-        self.counts: dict[int, int] = {}
-        self._profiles: dict[int, list | None] = {}
-        self._numel = 0
-
-    def prepare(self, message: Message) -> Message:
-        count = self.counts.get(message.metadata.dst_node_id)
-        if count is None or message.metadata.message_type != MessageType.TRAIN:
-            return message
-        content = RecordDict(dict(message.content.items()))  # the round's messages share one RecordDict
-        content[wire.TOPK_ALLOCATION] = ConfigRecord({wire.COUNT: count})
-        message.content = content
-        return message
-
-    def __call__(self, instruction: Message, reply: Message) -> Message:
-        if not reply.has_error() and wire.ARRAYS in instruction.content.array_records:
-            self._numel = sum(int(np.prod(a.shape)) for a in instruction.content[wire.ARRAYS].values())
-            scores = reply.content.config_records.get(wire.TOPK_PROFILE, {}).get(wire.SCORES)
-            self._profiles[instruction.metadata.dst_node_id] = scores if isinstance(scores, list) else None
-        return densify_reply(instruction, reply)
-
-    def settle(self, accepted: set[int]) -> None:
-        nodes = [node for node in self._profiles if node in accepted]
-        if nodes and self._numel:
-            k = max(1, int(round(self.ratio * self._numel)))
-            self.counts = dict(zip(nodes, shared_counts([self._profiles[n] for n in nodes], k)))
-        self._profiles = {}
 
 
 class EstimateUplink:

@@ -1123,19 +1123,3 @@ def test_topk_allocation_diagnostic_keeps_the_same_total_and_ranks_by_weighted_m
     dense = weights @ updates
     assert fidelity(dense, weights @ shared)[0] < fidelity(dense, weights @ fixed)[0]
     assert fidelity(dense, dense) == pytest.approx((0.0, 1.0))
-
-
-def test_magnitude_profile_reads_the_ranks_and_shared_counts_split_k_by_weighted_magnitude():
-    from fedind.compression import PROFILE_RANKS, SHARED_MAX_FACTOR, magnitude_profile, shared_counts
-
-    mag = np.arange(1000, 0, -1, dtype=np.float64)  # the r-th largest is 1001 - r
-    profile = magnitude_profile(mag, 40)
-    np.testing.assert_array_equal(profile, [1001 - round(f * 40) for f in PROFILE_RANKS])
-    # Equal sites share k equally; a site whose magnitudes are 4x larger gets more, within the caps.
-    assert shared_counts([profile, profile], 40) == [40, 40]
-    big, small = shared_counts([4 * profile, profile], 40)
-    assert big > 40 > small and abs(big + small - 80) <= 2 and big <= SHARED_MAX_FACTOR * 40
-    # Unusable profiles keep k; the others share the rest.
-    assert shared_counts([None, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], profile], 40) == [40, 40, 40]
-    with pytest.raises(ValueError, match="Invalid"):
-        shared_counts([profile], 0)

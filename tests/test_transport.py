@@ -10,7 +10,7 @@ from fedind import wire
 from fedind.compression import decode, expected_of, from_record
 from fedind.config import RunConfig
 from fedind.metering import MeteredGrid, PerReply, payload_bytes
-from fedind.transport import REJECTED_PAYLOAD, EstimateUplink, SharedAllocation, densify_reply, topk_mod
+from fedind.transport import REJECTED_PAYLOAD, EstimateUplink, densify_reply, topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -222,47 +222,3 @@ def test_ef21_instructions_get_their_own_token_without_touching_the_shared_conte
     assert wire.TOPK_ESTIMATE not in shared.config_records
     assert all(p.content[wire.TOPK_ESTIMATE][wire.TOKEN] == "" for p in prepared)
     assert prepared[0].content[wire.ARRAYS] is shared[wire.ARRAYS]  # arrays are not copied
-
-
-# --------------------------------------------------------------------------- shared allocation
-
-
-def test_shared_allocation_gives_the_site_with_the_larger_weighted_update_more_and_keeps_the_total():
-    """Two sites through SharedAllocation: round 1 (no counts yet) both send k; from round 2
-    the site whose update is larger (same example counts) sends more, the other less, and
-    together about 2 k; what each sends still decodes exactly."""
-    allocation, g = SharedAllocation(ratio=0.01), arrays(0)
-    total = sum(v.size for v in g.values())
-    k = round(0.01 * total)
-    updates = {7: arrays(1, 0.1), 8: arrays(2, 0.01)}
-    contexts = {node: context() for node in updates}
-    sent_counts: dict[int, list[int]] = {7: [], 8: []}
-    for server_round in (1, 2, 3):
-        for node, update in updates.items():
-            msg = instruction(g, server_round, compression="topk", topk_allocation="shared", topk_ratio=0.01,
-                              topk_warmup_rounds=0)
-            msg.metadata.dst_node_id = node
-            msg = allocation.prepare(msg)
-            reply = topk_mod(msg, contexts[node], site_training({n: g[n] + update[n] for n in g}))
-            assert len(reply.content[wire.TOPK_PROFILE][wire.SCORES]) == 7
-            out = allocation(msg, reply)
-            assert not out.has_error() and wire.TOPK_PROFILE not in out.content.config_records
-            sent = decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(g))
-            sent_counts[node].append(sum(int(np.count_nonzero(v)) for v in sent.values()))
-        allocation.settle({7, 8})
-    assert sent_counts[7][0] == sent_counts[8][0] == k
-    assert sent_counts[7][1] > 1.5 * k and sent_counts[8][1] < k / 4
-    assert abs(sent_counts[7][1] + sent_counts[8][1] - 2 * k) <= 0.1 * k
-    assert allocation.counts[7] > allocation.counts[8]
-
-
-def test_shared_allocation_leaves_a_site_without_a_profile_at_k_and_needs_residual_feedback():
-    allocation, g = SharedAllocation(ratio=0.01), arrays(0)
-    msg = instruction(g, 1, compression="topk", topk_ratio=0.01, topk_warmup_rounds=0)  # site mode: no profile sent
-    allocation(msg, topk_mod(msg, context(), site_training({n: v + 0.1 for n, v in g.items()})))
-    allocation.settle({7})
-    assert allocation.counts == {7: round(0.01 * sum(v.size for v in g.values()))}
-    with pytest.raises(ValueError, match="topk-allocation"):
-        RunConfig.from_flower({"topk-allocation": "shared", "topk-feedback": "estimate"})
-    with pytest.raises(ValueError, match="topk-allocation"):
-        RunConfig.from_flower({"topk-allocation": "greedy"})
