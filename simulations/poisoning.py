@@ -7,9 +7,10 @@ trains honestly, then replaces its trained weights ``w`` by
     signflip λ:  g − λ (w − g)      (its update, reversed and scaled)
 
 with ``g`` the global weights it received; ``absent`` sends an error reply instead (the
-site's data lost to the federation: what any defence that rejects the attacker every round
-ends with, the floor such a defence cannot beat). Its ``num-examples`` and label histogram stay
-honest, so only the weights are poisoned and the structural screen has nothing to catch;
+site's data lost to the federation: what any defence that rejects the attacker every
+round ends with, the floor such a defence cannot beat). Its ``num-examples`` and label
+histogram stay honest, so only the weights are poisoned and the structural screen has
+nothing to catch;
 the server's norm rule (``fedind/screening.py``) sees the update norm, λ times the honest
 one. Every strategy runs behind that screen, as the server always does for plaintext
 updates; Flower's robust aggregators then see what passed it.
@@ -25,11 +26,14 @@ the server rejected (``failures`` summed over rounds.csv).
 
 (``key=value`` overrides first: ``--seeds``, ``--strategies``, ``--attacks`` and ``--sites``
 take every value after them; ``--no-run`` tabulates the finished runs of that grid only.)
-Attacks are ``scale<λ>``, ``signflip<λ>`` or ``absent``; the defaults are ``scale10`` (stealthy: at the
-screen's 10x floor, it passes whenever the site's honest norm is at or below the round's
-median), ``scale100`` (obvious: rejected every round), ``signflip1`` (a plain reversed
-update of ordinary norm: never rejected) and ``signflip4`` (reversed and boosted: passes
-while its norm stays under 10x the median). ``--clip-ratio c`` runs the server's screen
+Attacks are ``scale<λ>``, ``signflip<λ>`` or ``absent``; the defaults are ``scale10``
+(stealthy: at the screen's 10x floor, it passes whenever the site's honest norm is at or
+below the round's median, and is scaled down to the bound above it), ``scale100``
+(obvious: rejected beyond 50x the median, so in every round where the site's honest
+update is at least half the median), ``signflip1`` (a plain reversed update of ordinary
+norm: never rejected) and ``signflip4`` (reversed and boosted: passes under 10x the
+median, scaled down between 10x and 50x). In the table, "rejected" counts every failed
+reply, so an ``absent`` site's 80 error replies are in it. ``--clip-ratio c`` runs the server's screen
 with its norm clip at ``c`` times the round's median (``fedind.screening``; off by default).
 
 Writes OUT/{results.json,table.md,poisoning.png}; each run's folder is
@@ -135,8 +139,9 @@ def poison(
 class PoisonMod:
     """Flower client mod (innermost, so it sees the dense trained weights): at the sites
     whose ``partition-id`` is in ``sites``, the train reply's weights become
-    :func:`poison` of them (with ``absent``, an error reply); everything else in the reply (``num-examples``, label
-    histogram, metrics) stays honest. Other sites and other messages pass unchanged."""
+    :func:`poison` of them (with ``absent``, an error reply); everything else in the reply
+    (``num-examples``, label histogram, metrics) stays honest. Other sites and other
+    messages pass unchanged."""
 
     attack: Attack
     sites: tuple[int, ...] = (0,)
