@@ -33,8 +33,9 @@ below the round's median, and is scaled down to the bound above it), ``scale100`
 update is at least half the median), ``signflip1`` (a plain reversed update of ordinary
 norm: never rejected) and ``signflip4`` (reversed and boosted: passes under 10x the
 median, scaled down between 10x and 50x). In the table, "rejected" counts every failed
-reply, so an ``absent`` site's 80 error replies are in it. ``--clip-ratio c`` runs the server's screen
-with its norm clip at ``c`` times the round's median (``fedind.screening``; off by default).
+reply, so an ``absent`` site's 80 error replies are in it. ``--clip-ratio c`` runs the
+server's screen with its norm clip at ``c`` times the round's median
+(``fedind.screening``; off by default).
 
 Writes OUT/{results.json,table.md,poisoning.png}; each run's folder is
 OUT/runs/<strategy>-<attack>-seed<N> (with ``norms.csv``: every reply's update norm, its
@@ -63,16 +64,13 @@ from flwr.clientapp import ClientApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import parse_overrides  # noqa: E402
+from simulations.common import parse_overrides, site_app_with  # noqa: E402
 
 import fedind.serverapp  # noqa: E402
-from fedind import clientapp, wire  # noqa: E402
+from fedind import wire  # noqa: E402
 from fedind.metering import site_id_of  # noqa: E402
 from fedind.screening import InvalidUpdate, UpdateScreen, check_update  # noqa: E402
-from fedind.secure import decrypt_query, paillier_mod  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
-from fedind.site_state import state_mod  # noqa: E402
-from fedind.transport import topk_mod  # noqa: E402
 
 KINDS = ("scale", "signflip", "absent")
 ABSENT_CODE = 1003  # Error code of the absent site's train reply
@@ -165,11 +163,7 @@ class PoisonMod:
 
 def attacked_app(attack: Attack, sites: tuple[int, ...]) -> ClientApp:
     """fedind's site agent (same handlers and mods) with :class:`PoisonMod` innermost."""
-    app = ClientApp(mods=[state_mod, topk_mod, paillier_mod, PoisonMod(attack, sites)])
-    app.train()(clientapp.train)
-    app.evaluate()(clientapp.evaluate_global)
-    app.query()(decrypt_query)
-    return app
+    return site_app_with(PoisonMod(attack, sites))
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -196,19 +190,19 @@ def peer_cosines(deltas: Sequence[np.ndarray], histograms: Sequence[Sequence[flo
     h = np.asarray(histograms, dtype=np.float64)
     if len(d) != len(h) or h.ndim != 2 or np.any(h < 0) or not np.all(np.isfinite(h)):
         raise ValueError("Invalid deltas/histograms: one non-negative histogram per delta, of equal length")
-    lengths = np.array([np.linalg.norm(x) for x in d])
-    units = [x / n if n > 0 else np.zeros_like(x) for x, n in zip(d, lengths)]
-    hn = np.linalg.norm(h, axis=1, keepdims=True)
-    sim = (h / np.where(hn > 0, hn, 1.0)) @ (h / np.where(hn > 0, hn, 1.0)).T
+    units = np.stack(d)
+    lengths = np.linalg.norm(units, axis=1)
+    units /= np.where(lengths > 0, lengths, 1.0)[:, None]
+    hist_norms = np.linalg.norm(h, axis=1, keepdims=True)
+    p = h / np.where(hist_norms > 0, hist_norms, 1.0)
+    sim = p @ p.T
+    np.fill_diagonal(sim, 0.0)  # a site is not its own peer
+    references = sim @ units
+    norms = np.linalg.norm(references, axis=1)
     out = np.full(len(d), np.nan)
-    for i in range(len(d)):
-        reference = sum((sim[i, j] * units[j] for j in range(len(d)) if j != i), np.zeros_like(d[i]))
-        norm = np.linalg.norm(reference)
-        if norm > 0 and lengths[i] > 0:
-            out[i] = float(units[i] @ reference) / norm
+    ok = (norms > 0) & (lengths > 0)
+    out[ok] = np.einsum("ij,ij->i", units[ok], references[ok]) / norms[ok]
     return out
-
-
 
 
 def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[UpdateScreen]:
@@ -223,7 +217,7 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
 
         def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
             out = super().__call__(instructions, replies)
-            norms = {}
+            norms, labelled = {}, {}  # node -> (site, update); node -> (update, head update, histogram)
             for reply in replies:
                 instruction = instructions.get(reply.metadata.src_node_id)
                 if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
@@ -234,18 +228,16 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
                 except InvalidUpdate:
                     continue
                 flat = np.concatenate([d.ravel() for d in delta.values()])
-                head = np.concatenate([d.ravel() for k, d in sorted(delta.items()) if k.startswith("head.")])
-                metrics = next(iter(reply.content.metric_records.values()))
-                histogram = metrics.get(wire.LABEL_HISTOGRAM)
-                norms[reply.metadata.src_node_id] = (site_id_of(reply), flat, head, histogram)
-            with_histograms = {node: v for node, v in norms.items() if v[3] is not None}
+                norms[reply.metadata.src_node_id] = (site_id_of(reply), flat)
+                histogram = next(iter(reply.content.metric_records.values())).get(wire.LABEL_HISTOGRAM)
+                if histogram is not None:
+                    head = np.concatenate([d.ravel() for k, d in sorted(delta.items()) if k.startswith("head.")])
+                    labelled[reply.metadata.src_node_id] = (flat, head, histogram)
             peers = peers_head = {}
-            if len(with_histograms) >= 2:
-                nodes = list(with_histograms)
-                histograms = [with_histograms[n][3] for n in nodes]
-                peers = dict(zip(nodes, peer_cosines([with_histograms[n][1] for n in nodes], histograms)))
-                peers_head = dict(zip(nodes, peer_cosines([with_histograms[n][2] for n in nodes], histograms)))
-            norms = {node: v[:2] for node, v in norms.items()}
+            if len(labelled) >= 2:
+                histograms = [h for _, _, h in labelled.values()]
+                peers = dict(zip(labelled, peer_cosines([f for f, _, _ in labelled.values()], histograms)))
+                peers_head = dict(zip(labelled, peer_cosines([h for _, h, _ in labelled.values()], histograms)))
             if norms:
                 server_round = 1 + max((r["round"] for r in rows), default=0)
                 lengths = {node: float(np.linalg.norm(flat)) for node, (_, flat) in norms.items()}

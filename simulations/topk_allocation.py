@@ -43,13 +43,10 @@ from flwr.clientapp import ClientApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import parse_overrides  # noqa: E402
+from simulations.common import parse_overrides, site_app_with  # noqa: E402
 
-from fedind import clientapp, wire  # noqa: E402
-from fedind.secure import decrypt_query, paillier_mod  # noqa: E402
+from fedind import wire  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
-from fedind.site_state import state_mod  # noqa: E402
-from fedind.transport import topk_mod  # noqa: E402
 
 
 def per_site_topk(updates: np.ndarray, k: int) -> np.ndarray:
@@ -92,11 +89,7 @@ def recording_app(folder: Path) -> ClientApp:
             np.savez(folder / f"r{server_round:03d}-s{partition:03d}.npz", count=count, update=update)
         return reply
 
-    app = ClientApp(mods=[state_mod, topk_mod, paillier_mod, record])
-    app.train()(clientapp.train)
-    app.evaluate()(clientapp.evaluate_global)
-    app.query()(decrypt_query)
-    return app
+    return site_app_with(record)
 
 
 def load_updates(folder: Path) -> dict[int, dict[int, tuple[int, np.ndarray]]]:

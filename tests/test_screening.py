@@ -197,11 +197,12 @@ def _delta_norm(msg: Message) -> float:
     return float(np.sqrt(sum(np.sum((arrays[k].numpy().astype(np.float64) - v) ** 2) for k, v in GLOBAL.items())))
 
 
-def _boosted_round(clip_ratio):
-    """Six sites; the last sends its update boosted 4x (under the 10x floor of the norm rule)."""
+def _boosted_round(clip_ratio, factor: float = 4.0):
+    """Six sites; the last sends its update boosted ``factor`` times (4: under the 10x
+    floor of the norm rule)."""
     instructions = {node: instruction(node) for node in range(1, 7)}
     replies = [reply(instructions[n], honest(n)) for n in range(1, 6)]
-    boosted = {k: (v + 4 * (honest(6)[k] - v)).astype(v.dtype) for k, v in GLOBAL.items()}
+    boosted = {k: (v + factor * (honest(6)[k] - v)).astype(v.dtype) for k, v in GLOBAL.items()}
     replies.append(reply(instructions[6], boosted))
     return replies, UpdateScreen(num_classes=3, clip_ratio=clip_ratio)(instructions, replies)
 
@@ -235,18 +236,10 @@ def test_rejected_updates_stay_rejected_under_the_clip():
 
 
 
-def _boosted(factor: float, sites: int = 6) -> tuple[list[Message], list[Message]]:
-    instructions = {node: instruction(node) for node in range(1, sites + 1)}
-    replies = [reply(instructions[n], honest(n)) for n in range(1, sites)]
-    replies.append(reply(instructions[sites], {k: (v + factor * (honest(sites)[k] - v)).astype(v.dtype)
-                                               for k, v in GLOBAL.items()}))
-    return replies, UpdateScreen(num_classes=3)(instructions, replies)
-
-
 def test_an_outlying_norm_short_of_the_ceiling_is_scaled_down_to_the_bound_not_rejected():
     """An honest line that keeps learning late in a run sends 10-27x the median: it is
     scaled down to the rule's bound and its metrics and direction are kept."""
-    replies, out = _boosted(20.0)
+    replies, out = _boosted_round(None, 20.0)
     assert not any(r.has_error() for r in out)
     norms = [_delta_norm(r) for r in replies]
     bound, ceiling = outlier_bounds(norms)
@@ -260,7 +253,7 @@ def test_an_outlying_norm_short_of_the_ceiling_is_scaled_down_to_the_bound_not_r
 
 
 def test_a_norm_beyond_the_ceiling_is_rejected():
-    _, out = _boosted(80.0)
+    _, out = _boosted_round(None, 80.0)
     assert out[-1].has_error() and "outlier" in out[-1].error.reason
     assert not any(r.has_error() for r in out[:-1])
 
