@@ -63,6 +63,7 @@ class RunConfig:
     server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
     restart_agreement: float = 0.5  # dwa: restart a coordinate only where the sites' sign agreement is at least this (0 = wherever the mean opposes the buffer)
+    alignment_threshold: float = -0.4  # screen: reject a site whose decayed label alignment is below this (-1 = off; fedind.screening)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
     topk_quantization: str = "int4"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
@@ -129,6 +130,7 @@ class RunConfig:
             "conflict-momentum": 0 <= self.conflict_momentum < 1,
             "conflict-damping": 0 <= self.conflict_damping <= 1,
             "restart-agreement": 0 <= self.restart_agreement <= 1,
+            "alignment-threshold": -1 <= self.alignment_threshold <= 1,
             "compression": self.compression in COMPRESSIONS,
             "topk-ratio": 0 < self.topk_ratio <= 1,
             "topk-quantization": self.topk_quantization in ("int8", "int4", "sign"),

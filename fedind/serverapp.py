@@ -98,7 +98,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     monitor = RunMonitor.start(config, folder.name, num_sites)  # Prometheus, if metrics-port > 0
     # Plaintext updates are screened before the strategy sees them (fedind.screening);
     # under encryption there is nothing the server could read to screen.
-    screen = UpdateScreen(num_classes) if config.encryption == "none" else None
+    alignment = None if config.alignment_threshold <= -1 else config.alignment_threshold
+    screen = UpdateScreen(num_classes, alignment_threshold=alignment) if config.encryption == "none" else None
     metered = MeteredGrid(grid, transform=transform, screen=screen)
     clock = {"round": time.monotonic(), "checkpoint": time.monotonic()}
     site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0, **saved.get("site_cpu", {})}
@@ -121,6 +122,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     arrays, first_round = initial, 1
     if checkpoint is not None:
         arrays, first_round = restore_server(checkpoint, strategy, continual), checkpoint.round + 1
+        if screen is not None and "screen" in checkpoint.state:
+            screen.load_state_dict(checkpoint.state["screen"])
         log(INFO, "resuming run %s at round %d from %s", folder.name, first_round, checkpoint.path)
     started = time.monotonic() - float(saved.get("elapsed_seconds", 0.0))
 
@@ -168,6 +171,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             "site_cpu": dict(site_cpu),
             "elapsed_seconds": time.monotonic() - started,
         }
+        if screen is not None:
+            state["screen"] = screen.state_dict()  # the sites' label-alignment records
         if continual is not None:
             state["continual"] = continual.state_dict()  # EWC Fisher and anchors, classes, phase scores
         path = store.save(server_round, {name: array.numpy() for name, array in arrays.items()}, state)

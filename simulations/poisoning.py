@@ -69,7 +69,7 @@ from simulations.common import parse_overrides, site_app_with  # noqa: E402
 import fedind.serverapp  # noqa: E402
 from fedind import wire  # noqa: E402
 from fedind.metering import site_id_of  # noqa: E402
-from fedind.screening import InvalidUpdate, UpdateScreen, check_update  # noqa: E402
+from fedind.screening import InvalidUpdate, UpdateScreen, check_update, label_alignment  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
 KINDS = ("scale", "signflip", "absent")
@@ -217,6 +217,7 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
 
         def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
             out = super().__call__(instructions, replies)
+            alignments = {}  # node -> this round's label alignment (fedind.screening.label_alignment)
             norms, labelled = {}, {}  # node -> (site, update); node -> (update, head update, histogram)
             for reply in replies:
                 instruction = instructions.get(reply.metadata.src_node_id)
@@ -233,6 +234,7 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
                 if histogram is not None:
                     head = np.concatenate([d.ravel() for k, d in sorted(delta.items()) if k.startswith("head.")])
                     labelled[reply.metadata.src_node_id] = (flat, head, histogram)
+                    alignments[reply.metadata.src_node_id] = label_alignment(delta["head.bias"], histogram)
             peers = peers_head = {}
             if len(labelled) >= 2:
                 histograms = [h for _, _, h in labelled.values()]
@@ -250,6 +252,7 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
                                  "ratio_to_median": lengths[node] / median, "cosine_to_median_update": cosine,
                                  "peer_cosine": peers.get(node, float("nan")),
                                  "peer_cosine_head": peers_head.get(node, float("nan")),
+                                 "label_alignment": alignments.get(node, float("nan")),
                                  "rejected": node in rejected})
             return out
 
@@ -270,7 +273,7 @@ def measure(
             simulate(replace(config, run_dir=str(out / "runs"), run_name=name), client_app=app)
         with open(folder / "norms.csv", "w", newline="") as f:
             fields = ["round", "site", "norm", "ratio_to_median", "cosine_to_median_update", "peer_cosine",
-                      "peer_cosine_head", "rejected"]
+                      "peer_cosine_head", "label_alignment", "rejected"]
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(norms)

@@ -6,7 +6,15 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 
 from fedind import wire
 from fedind.metering import MeteredGrid
-from fedind.screening import REJECTED_UPDATE, UpdateScreen, clip_factors, norm_outliers, outlier_bounds
+from fedind.screening import (
+    REJECTED_UPDATE,
+    AlignmentRecord,
+    UpdateScreen,
+    clip_factors,
+    label_alignment,
+    norm_outliers,
+    outlier_bounds,
+)
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -262,3 +270,93 @@ def test_outlier_bounds_scale_with_the_median_of_the_moved_sites():
     bound, ceiling = outlier_bounds([0.0, 0.0, 2.0, 2.0, 2.0])
     assert bound == pytest.approx(20.0) and ceiling == pytest.approx(100.0)
     assert outlier_bounds([0.0, 1.0, 2.0]) == (float("inf"), float("inf"))
+
+
+# --------------------------------------------------------------------------- label alignment
+
+SHARES = np.log(np.array([5, 3, 2]) / 10)  # the log label shares of reply()'s default histogram
+
+
+def test_label_alignment_is_plus_one_towards_the_sites_log_shares_and_minus_one_against():
+    assert label_alignment(SHARES - SHARES.mean(), [5, 3, 2]) == pytest.approx(1.0)
+    assert label_alignment(-3.0 * SHARES, [5, 3, 2]) == pytest.approx(-1.0)
+    assert label_alignment(np.array([1.0, -1.0, 0.0]), [5, 5, 0]) == pytest.approx(
+        np.corrcoef([1.0, -1.0, 0.0], np.log([0.5, 0.5, 0.01]))[0, 1]
+    )
+
+
+@pytest.mark.parametrize(
+    "bias, histogram",
+    [([0.1, 0.2, 0.3], [4, 4, 4]), ([0.2, 0.2, 0.2], [5, 3, 2]), ([0.1, 0.2], [5, 3, 2]), ([0.1, 0.2, 0.3], [0, 0, 0])],
+    ids=["uniform labels", "constant update", "length mismatch", "no examples"],
+)
+def test_label_alignment_is_nan_without_evidence(bias, histogram):
+    assert np.isnan(label_alignment(np.array(bias), histogram))
+
+
+def test_alignment_record_is_a_decayed_mean_and_round_trips():
+    record = AlignmentRecord(decay=0.5)
+    assert record.add("line-00", 0.5) == (0.5, 1)
+    mean, rounds = record.add("line-00", -1.0)
+    assert (mean, rounds) == (pytest.approx((0.5 * 0.5 - 1.0) / (0.5 + 1.0)), 2)
+    restored = AlignmentRecord(decay=0.5)
+    restored.load_state_dict(record.state_dict())
+    assert restored.add("line-00", 0.0) == record.add("line-00", 0.0)
+    with pytest.raises(ValueError, match="line-01"):
+        restored.load_state_dict({"line-01": [1.0, "x", 2]})
+    with pytest.raises(ValueError, match="decay"):
+        AlignmentRecord(decay=1.0)
+
+
+def _signed(node: int, sign: float) -> dict:
+    """An honest-looking update whose classifier bias moves ``sign`` times along the site's
+    centred log label shares."""
+    arrays = honest(node)
+    arrays["head.bias"] = (GLOBAL["head.bias"] + sign * 0.02 * (SHARES - SHARES.mean())).astype(np.float32)
+    return arrays
+
+
+def _alignment_rounds(screen: UpdateScreen, rounds: int, flipper_sign: float = -1.0) -> list[list[Message]]:
+    """``rounds`` rounds of five aligned sites and one (node 6) whose bias update runs
+    ``flipper_sign`` along its shares."""
+    out = []
+    for _ in range(rounds):
+        instructions = {node: instruction(node) for node in range(1, 7)}
+        replies = [reply(instructions[n], _signed(n, 1.0)) for n in range(1, 6)]
+        replies.append(reply(instructions[6], _signed(6, flipper_sign)))
+        out.append(screen(instructions, replies))
+    return out
+
+
+def test_a_site_whose_bias_update_runs_against_its_labels_is_rejected_after_the_warm_up():
+    screen = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_warmup=3)
+    rounds = _alignment_rounds(screen, 4)
+    for t, out in enumerate(rounds, start=1):
+        assert not any(r.has_error() for r in out[:5])
+        assert out[5].has_error() == (t >= 3)
+    assert "label alignment -1.00 < -0.4" in rounds[-1][5].error.reason
+    assert "(site node-6)" in rounds[-1][5].error.reason
+
+
+def test_the_alignment_record_survives_a_resume_through_the_screen_state():
+    first = UpdateScreen(num_classes=3, alignment_threshold=-0.4)
+    _alignment_rounds(first, 2)
+    resumed = UpdateScreen(num_classes=3, alignment_threshold=-0.4)
+    resumed.load_state_dict(first.state_dict())
+    assert _alignment_rounds(resumed, 1)[0][5].has_error()  # its third round: past the warm-up
+
+
+def test_without_an_alignment_threshold_the_rule_is_off():
+    for out in _alignment_rounds(UpdateScreen(num_classes=3), 4):
+        assert not any(r.has_error() for r in out)
+
+
+def test_a_site_that_recovers_is_accepted_again():
+    screen = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_decay=0.5)
+    assert _alignment_rounds(screen, 3)[-1][5].has_error()
+    assert not _alignment_rounds(screen, 3, flipper_sign=1.0)[-1][5].has_error()
+
+
+def test_invalid_alignment_threshold_is_rejected():
+    with pytest.raises(ValueError, match="alignment_threshold"):
+        UpdateScreen(alignment_threshold=-1.5)
