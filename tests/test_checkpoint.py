@@ -18,6 +18,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 from fedind.checkpoint import CheckpointStore, CorruptCheckpointError, join_arrays, read_checkpoint, split_arrays
 from fedind.config import ConfigError, RunConfig
 from fedind.serverapp import resume_point, run_folder
+from fedind.screening import UpdateScreen
 from fedind.strategies import build_strategy, load_strategy_state, strategy_state
 
 MODEL = {"conv.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "head.bias": np.ones(5, dtype=np.float32)}
@@ -185,6 +186,16 @@ def test_dwa_state_survives_a_checkpoint(tmp_path):
     fresh = build_strategy(config, 3, num_classes=4)
     load_strategy_state(fresh, _through_store(tmp_path, strategy_state(strategy)))
     np.testing.assert_array_equal(fresh.global_histogram.counts(), [5, 0, 1, 0])
+
+
+def test_the_screens_alignment_record_survives_a_checkpoint(tmp_path):
+    screen = UpdateScreen(alignment_threshold=-0.4)
+    screen.alignment.add("line-03", -0.7)
+    store = CheckpointStore(tmp_path)
+    store.save(1, MODEL, {"screen": screen.state_dict()})
+    fresh = UpdateScreen(alignment_threshold=-0.4)
+    fresh.load_state_dict(store.load_latest().state["screen"])
+    assert fresh.alignment.add("line-03", 0.1) == screen.alignment.add("line-03", 0.1)
 
 
 def test_state_of_another_strategy_is_refused():
