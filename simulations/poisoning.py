@@ -5,6 +5,8 @@ trains honestly, then replaces its trained weights ``w`` by
 
     scale λ:     g + λ (w − g)      (boosting: its update counts λ times)
     signflip λ:  g − λ (w − g)      (its update, reversed and scaled)
+    bodyflip λ:  as signflip, except the classifier bias ``head.bias``, sent honest (an
+                 attacker who knows the server's label-alignment rule)
 
 with ``g`` the global weights it received; ``absent`` sends an error reply instead (the
 site's data lost to the federation: what any defence that rejects the attacker every
@@ -72,8 +74,9 @@ from fedind.metering import site_id_of  # noqa: E402
 from fedind.screening import InvalidUpdate, UpdateScreen, check_update, label_alignment  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
-KINDS = ("scale", "signflip", "absent")
+KINDS = ("scale", "signflip", "bodyflip", "absent")
 ABSENT_CODE = 1003  # Error code of the absent site's train reply
+HONEST_IN_BODYFLIP = "head.bias"  # the array a bodyflip attacker leaves as trained: what the alignment rule reads
 DEFAULT_STRATEGY = "fedavgm"
 CLEAN = "clean"
 
@@ -105,9 +108,11 @@ class Attack:
         """``scale10``, ``signflip4``, ``scale2.5``, ``absent``."""
         if text == "absent":
             return cls("absent", 1.0)
-        match = re.fullmatch(r"(scale|signflip)([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)", text)
+        match = re.fullmatch(r"(scale|signflip|bodyflip)([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)", text)
         if match is None:
-            raise ValueError(f"Invalid attack {text!r}: expected scale<λ>, signflip<λ> or absent, e.g. scale10")
+            raise ValueError(
+                f"Invalid attack {text!r}: expected scale<λ>, signflip<λ>, bodyflip<λ> or absent, e.g. scale10"
+            )
         return cls(match.group(1), float(match.group(2)))
 
 
@@ -115,8 +120,8 @@ def poison(
     sent: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray], attack: Attack
 ) -> dict[str, np.ndarray]:
     r"""The attacker's weights: :math:`g + \lambda (w - g)` (scale) or
-    :math:`g - \lambda (w - g)` (signflip), per array, in float64 and cast back to each
-    array's dtype. ``sent``: the global weights ``g``; ``trained``: the honest ``w``.
+    :math:`g - \lambda (w - g)` (signflip; bodyflip except ``head.bias``, sent as
+    trained), per array, in float64 and cast back to each array's dtype. ``sent``: the global weights ``g``; ``trained``: the honest ``w``.
     Non-float arrays pass unchanged. (``absent`` has no weights: :class:`PoisonMod`.)"""
     if attack.kind == "absent":
         raise ValueError("the absent attack sends no weights")
@@ -125,7 +130,7 @@ def poison(
     sign = 1.0 if attack.kind == "scale" else -1.0
     out = {}
     for name, w in trained.items():
-        if not np.issubdtype(w.dtype, np.floating):
+        if not np.issubdtype(w.dtype, np.floating) or (attack.kind == "bodyflip" and name == HONEST_IN_BODYFLIP):
             out[name] = w
             continue
         g = np.asarray(sent[name], dtype=np.float64)

@@ -24,6 +24,12 @@ def test_signflip_reverses_and_scales_the_update():
     np.testing.assert_allclose(out["head.bias"], [0.5 + 4 * 0.25, -0.5 - 4 * 0.5])
 
 
+def test_bodyflip_reverses_everything_but_the_classifier_bias():
+    out = poison(SENT, TRAINED, Attack.parse("bodyflip2"))
+    np.testing.assert_allclose(out["conv.weight"], np.full((2, 3), 1.0 - 2 * 0.25))
+    np.testing.assert_array_equal(out["head.bias"], TRAINED["head.bias"])
+
+
 def test_scale_one_is_the_honest_update_and_signflip_one_its_mirror():
     same = poison(SENT, TRAINED, Attack("scale", 1))
     mirror = poison(SENT, TRAINED, Attack("signflip", 1))
