@@ -343,13 +343,15 @@ class UpdateScreen:
     ``alignment_threshold``: the label-alignment rule (None: off): a site whose decayed mean
     :func:`label_alignment` (``alignment_decay``, over the rounds it sent a histogram and
     ``bias_name``) is below this, from its ``alignment_warmup``-th such round on, is
-    rejected. The record survives a resume through :meth:`state_dict`.
+    rejected, and stays rejected until its mean is back at ``alignment_release`` or above
+    (hysteresis). The records survive a resume through :meth:`state_dict`.
     """
 
     def __init__(self, num_classes: int | None = None, *, z: float = 3.5, min_ratio: float = 10.0,
                  max_ratio: float = 50.0, norm_rule: bool = True, count_rule: bool = True,
                  clip_ratio: float | None = None, alignment_threshold: float | None = None,
-                 alignment_decay: float = 0.9, alignment_warmup: int = 3, bias_name: str = "head.bias") -> None:
+                 alignment_release: float = 0.0, alignment_decay: float = 0.9, alignment_warmup: int = 3,
+                 bias_name: str = "head.bias") -> None:
         outlier_bounds([1.0, 1.0, 1.0], z, min_ratio, max_ratio)  # validates z and the ratios
         if clip_ratio is not None:
             clip_factors([1.0], clip_ratio)  # validates clip_ratio
@@ -360,19 +362,25 @@ class UpdateScreen:
         self.max_ratio = float(max_ratio)
         self.norm_rule = norm_rule
         self.count_rule = count_rule
-        if alignment_threshold is not None and not -1 <= alignment_threshold <= 1:
-            raise ValueError(f"Invalid alignment_threshold value: {alignment_threshold!r} (expected -1 to 1)")
+        if alignment_threshold is not None and not -1 <= alignment_threshold <= alignment_release <= 1:
+            raise ValueError(
+                f"Invalid alignment_threshold / alignment_release: {alignment_threshold!r} / {alignment_release!r} "
+                "(expected -1 <= threshold <= release <= 1)"
+            )
         self.alignment_threshold = alignment_threshold
+        self.alignment_release = float(alignment_release)
+        self.flagged: set[str] = set()  # sites the alignment rule rejects until they reach the release level
         self.alignment_warmup = int(alignment_warmup)
         self.bias_name = bias_name
         self.alignment = AlignmentRecord(alignment_decay)
 
     def state_dict(self) -> dict:
         """What the screen learnt across rounds (the sites' label-alignment records)."""
-        return {"alignment": self.alignment.state_dict()}
+        return {"alignment": self.alignment.state_dict(), "flagged": sorted(self.flagged)}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.alignment.load_state_dict(state["alignment"])
+        self.flagged = {str(site) for site in state["flagged"]}
 
     def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
         out = list(replies)
@@ -445,12 +453,16 @@ class UpdateScreen:
         alignment = label_alignment(delta[self.bias_name], histogram)
         if not math.isfinite(alignment):
             return None
-        mean, rounds = self.alignment.add(site_id_of(reply), alignment)
-        if rounds < self.alignment_warmup or mean >= self.alignment_threshold:
+        site = site_id_of(reply)
+        mean, rounds = self.alignment.add(site, alignment)
+        bar = self.alignment_release if site in self.flagged else self.alignment_threshold
+        if rounds < self.alignment_warmup or mean >= bar:
+            self.flagged.discard(site)
             return None
+        self.flagged.add(site)
         return (
-            f"label alignment {mean:.2f} < {self.alignment_threshold:g}: its {self.bias_name} update runs against "
-            f"its own label shares (decayed mean over {rounds} rounds, this round {alignment:.2f})"
+            f"label alignment {mean:.2f} < {bar:g}: its {self.bias_name} update runs against its own label "
+            f"shares (decayed mean over {rounds} rounds, this round {alignment:.2f})"
         )
 
 

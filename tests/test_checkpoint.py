@@ -191,10 +191,12 @@ def test_dwa_state_survives_a_checkpoint(tmp_path):
 def test_the_screens_alignment_record_survives_a_checkpoint(tmp_path):
     screen = UpdateScreen(alignment_threshold=-0.4)
     screen.alignment.add("line-03", -0.7)
+    screen.flagged.add("line-03")
     store = CheckpointStore(tmp_path)
     store.save(1, MODEL, {"screen": screen.state_dict()})
     fresh = UpdateScreen(alignment_threshold=-0.4)
     fresh.load_state_dict(store.load_latest().state["screen"])
+    assert fresh.flagged == {"line-03"}
     assert fresh.alignment.add("line-03", 0.1) == screen.alignment.add("line-03", 0.1)
 
 

@@ -308,17 +308,20 @@ def test_alignment_record_is_a_decayed_mean_and_round_trips():
         AlignmentRecord(decay=1.0)
 
 
-def _signed(node: int, sign: float) -> dict:
-    """An honest-looking update whose classifier bias moves ``sign`` times along the site's
-    centred log label shares."""
+def _signed(node: int, alignment: float) -> dict:
+    """An honest-looking update whose classifier-bias update has this label alignment
+    (a mix of the site's centred log label shares and a centred direction orthogonal to it)."""
+    along = (SHARES - SHARES.mean()) / np.linalg.norm(SHARES - SHARES.mean())
+    across = np.cross(along, np.ones(3) / np.sqrt(3))
+    bias = alignment * along + np.sqrt(1 - alignment**2) * across
     arrays = honest(node)
-    arrays["head.bias"] = (GLOBAL["head.bias"] + sign * 0.02 * (SHARES - SHARES.mean())).astype(np.float32)
+    arrays["head.bias"] = (GLOBAL["head.bias"] + 0.02 * bias).astype(np.float32)
     return arrays
 
 
 def _alignment_rounds(screen: UpdateScreen, rounds: int, flipper_sign: float = -1.0) -> list[list[Message]]:
-    """``rounds`` rounds of five aligned sites and one (node 6) whose bias update runs
-    ``flipper_sign`` along its shares."""
+    """``rounds`` rounds of five aligned sites and one (node 6) whose bias update has label
+    alignment ``flipper_sign``."""
     out = []
     for _ in range(rounds):
         instructions = {node: instruction(node) for node in range(1, 7)}
@@ -357,6 +360,22 @@ def test_a_site_that_recovers_is_accepted_again():
     assert not _alignment_rounds(screen, 3, flipper_sign=1.0)[-1][5].has_error()
 
 
-def test_invalid_alignment_threshold_is_rejected():
+def test_a_rejected_site_stays_rejected_until_its_record_reaches_the_release_level():
+    flagged = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_release=0.0)
+    assert _alignment_rounds(flagged, 3)[-1][5].has_error()
+    later = _alignment_rounds(flagged, 10, flipper_sign=-0.2)
+    assert all(out[5].has_error() for out in later)  # its mean climbs past -0.4 but stays below 0
+    assert "label alignment -0.2" in later[-1][5].error.reason and "< 0:" in later[-1][5].error.reason
+    never_flagged = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_release=0.0)
+    assert not any(out[5].has_error() for out in _alignment_rounds(never_flagged, 10, flipper_sign=-0.2))
+
+
+def test_the_label_alignment_of_the_test_updates_is_what_they_say():
+    bias_update = _signed(6, -0.2)["head.bias"] - GLOBAL["head.bias"]
+    assert label_alignment(bias_update, [5, 3, 2]) == pytest.approx(-0.2, abs=1e-4)
+
+
+@pytest.mark.parametrize("threshold, release", [(-1.5, 0.0), (-0.4, -0.5), (0.5, 1.5)])
+def test_invalid_alignment_threshold_is_rejected(threshold, release):
     with pytest.raises(ValueError, match="alignment_threshold"):
-        UpdateScreen(alignment_threshold=-1.5)
+        UpdateScreen(alignment_threshold=threshold, alignment_release=release)
