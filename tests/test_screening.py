@@ -337,7 +337,8 @@ def test_a_site_whose_bias_update_runs_against_its_labels_is_rejected_after_the_
     for t, out in enumerate(rounds, start=1):
         assert not any(r.has_error() for r in out[:5])
         assert out[5].has_error() == (t >= 3)
-    assert "label alignment -1.00 < -0.4" in rounds[-1][5].error.reason
+    assert "label alignment -1.00 < -0.4" in rounds[2][5].error.reason
+    assert "rejected for the rest of the run" in rounds[3][5].error.reason
     assert "(site node-6)" in rounds[-1][5].error.reason
 
 
@@ -354,10 +355,18 @@ def test_without_an_alignment_threshold_the_rule_is_off():
         assert not any(r.has_error() for r in out)
 
 
-def test_a_site_that_recovers_is_accepted_again():
-    screen = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_decay=0.5)
+def test_with_a_release_level_a_site_that_recovers_is_accepted_again():
+    screen = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_release=0.0, alignment_decay=0.5)
     assert _alignment_rounds(screen, 3)[-1][5].has_error()
     assert not _alignment_rounds(screen, 3, flipper_sign=1.0)[-1][5].has_error()
+
+
+def test_by_default_a_rejected_site_stays_rejected_for_the_run():
+    screen = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_decay=0.5)
+    assert _alignment_rounds(screen, 3)[-1][5].has_error()
+    later = _alignment_rounds(screen, 5, flipper_sign=1.0)
+    assert all(out[5].has_error() for out in later)
+    assert "rejected for the rest of the run" in later[-1][5].error.reason
 
 
 def test_a_rejected_site_stays_rejected_until_its_record_reaches_the_release_level():
@@ -365,7 +374,7 @@ def test_a_rejected_site_stays_rejected_until_its_record_reaches_the_release_lev
     assert _alignment_rounds(flagged, 3)[-1][5].has_error()
     later = _alignment_rounds(flagged, 10, flipper_sign=-0.2)
     assert all(out[5].has_error() for out in later)  # its mean climbs past -0.4 but stays below 0
-    assert "label alignment -0.2" in later[-1][5].error.reason and "< 0:" in later[-1][5].error.reason
+    assert "< 0:" in later[-1][5].error.reason and "this round -0.20" in later[-1][5].error.reason
     never_flagged = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_release=0.0)
     assert not any(out[5].has_error() for out in _alignment_rounds(never_flagged, 10, flipper_sign=-0.2))
 
