@@ -14,8 +14,9 @@ round ends with, the floor such a defence cannot beat). Its ``num-examples`` and
 histogram stay honest, so only the weights are poisoned and the structural screen has
 nothing to catch;
 the server's norm rule (``fedind/screening.py``) sees the update norm, λ times the honest
-one. Every strategy runs behind that screen, as the server always does for plaintext
-updates; Flower's robust aggregators then see what passed it.
+one, and its label-alignment rule the classifier-bias update, reversed by ``signflip``
+(and left honest by ``bodyflip``). Every strategy runs behind that screen, as the server
+always does for plaintext updates; Flower's robust aggregators then see what passed it.
 
 Variants: each strategy (``--strategies``) clean and under each attack (``--attacks``),
 same seeds and data. Reports final and best global accuracy, the drop vs the same
@@ -28,20 +29,22 @@ the server rejected (``failures`` summed over rounds.csv).
 
 (``key=value`` overrides first: ``--seeds``, ``--strategies``, ``--attacks`` and ``--sites``
 take every value after them; ``--no-run`` tabulates the finished runs of that grid only.)
-Attacks are ``scale<λ>``, ``signflip<λ>`` or ``absent``; the defaults are ``scale10``
+Attacks are ``scale<λ>``, ``signflip<λ>``, ``bodyflip<λ>`` or ``absent``; the defaults are ``scale10``
 (stealthy: at the screen's 10x floor, it passes whenever the site's honest norm is at or
 below the round's median, and is scaled down to the bound above it), ``scale100``
 (obvious: rejected beyond 50x the median, so in every round where the site's honest
 update is at least half the median), ``signflip1`` (a plain reversed update of ordinary
-norm: never rejected) and ``signflip4`` (reversed and boosted: passes under 10x the
-median, scaled down between 10x and 50x). In the table, "rejected" counts every failed
+norm: never rejected by the norm rule) and ``signflip4`` (reversed and boosted: passes under 10x the
+median, scaled down between 10x and 50x; both rejected by the label-alignment rule from
+their third round). In the table, "rejected" counts every failed
 reply, so an ``absent`` site's 80 error replies are in it. ``--clip-ratio c`` runs the
 server's screen with its norm clip at ``c`` times the round's median
 (``fedind.screening``; off by default).
 
 Writes OUT/{results.json,table.md,poisoning.png}; each run's folder is
 OUT/runs/<strategy>-<attack>-seed<N> (with ``norms.csv``: every reply's update norm, its
-ratio to the round's median, its cosine to the round's median update, rejected or not), and
+ratio to the round's median, its cosine to the round's median update, its label alignment,
+rejected or not), and
 finished runs are reused, so an interrupted benchmark picks up where it stopped (and runs
 added later join the table).
 """
