@@ -109,8 +109,8 @@ from . import wire
 from .metering import site_id_of
 
 __all__ = [
-    "REJECTED_UPDATE", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update", "clip_factors",
-    "norm_outliers", "outlier_bounds", "read_reply",
+    "REJECTED_UPDATE", "AlignmentRecord", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update",
+    "clip_factors", "label_alignment", "norm_outliers", "outlier_bounds", "read_reply",
 ]
 
 REJECTED_UPDATE = 1002  # Error code of a train reply the server screened out
@@ -448,7 +448,6 @@ class UpdateScreen:
             if factor < 1.0 and i not in reasons:
                 out[i] = _clipped(instructions[out[i].metadata.src_node_id], out[i], *deltas[i], factor)
         return out
-
 
     def _misaligned(self, reply: Message, delta: Mapping[str, np.ndarray]) -> str | None:
         """Fold this reply's label alignment into its site's record; the rejection reason

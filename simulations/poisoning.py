@@ -124,8 +124,9 @@ def poison(
 ) -> dict[str, np.ndarray]:
     r"""The attacker's weights: :math:`g + \lambda (w - g)` (scale) or
     :math:`g - \lambda (w - g)` (signflip; bodyflip except ``head.bias``, sent as
-    trained), per array, in float64 and cast back to each array's dtype. ``sent``: the global weights ``g``; ``trained``: the honest ``w``.
-    Non-float arrays pass unchanged. (``absent`` has no weights: :class:`PoisonMod`.)"""
+    trained), per array, in float64 and cast back to each array's dtype. ``sent``: the
+    global weights ``g``; ``trained``: the honest ``w``. Non-float arrays pass unchanged.
+    (``absent`` has no weights: :class:`PoisonMod`.)"""
     if attack.kind == "absent":
         raise ValueError("the absent attack sends no weights")
     if set(sent) != set(trained):
