@@ -35,8 +35,8 @@ below the round's median, and is scaled down to the bound above it), ``scale100`
 (obvious: rejected beyond 50x the median, so in every round where the site's honest
 update is at least half the median), ``signflip1`` (a plain reversed update of ordinary
 norm: never rejected by the norm rule) and ``signflip4`` (reversed and boosted: passes under 10x the
-median, scaled down between 10x and 50x; both rejected by the label-alignment rule from
-their third round). In the table, "rejected" counts every failed
+median, scaled down between 10x and 50x; the label-alignment rule reads the direction,
+not the norm, so to it signflip4 looks as signflip1 does). In the table, "rejected" counts every failed
 reply, so an ``absent`` site's 80 error replies are in it. ``--clip-ratio c`` runs the
 server's screen with its norm clip at ``c`` times the round's median
 (``fedind.screening``; off by default).
