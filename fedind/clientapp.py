@@ -36,11 +36,6 @@ from .site_state import state_mod
 from .secure import decrypt_query, paillier_mod
 from .transport import RESIDUALS, topk_mod
 
-# state_mod first (outermost): it saves context.state after the inner mods wrote to it.
-app = ClientApp(mods=[state_mod, topk_mod, paillier_mod])
-app.query()(decrypt_query)  # encryption = "paillier": decrypt the round's summed ciphertexts
-
-
 def run_config_of(msg: Message) -> RunConfig:
     return RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
 
@@ -86,7 +81,6 @@ def refit_from(msg: Message, num_classes: int) -> int:
     return value if valid else num_classes
 
 
-@app.train()
 def train(msg: Message, context: Context) -> Message:
     config = run_config_of(msg)
     server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
@@ -161,7 +155,6 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-@app.evaluate()
 def evaluate_global(msg: Message, context: Context) -> Message:
     """The final model on the site's own test split (of the last phase; labels beyond the
     head count as errors)."""
@@ -176,7 +169,6 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-@app.query("phase_end")
 def phase_end(msg: Message, context: Context) -> Message:
     """End of a phase (``query.phase_end``, fedind.continual): offer this phase's batch to
     the replay buffer, scored by the loss of the global model it came with, and (EWC)
@@ -206,3 +198,19 @@ def phase_end(msg: Message, context: Context) -> Message:
         content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
     content[wire.METRICS] = metrics
     return Message(content=content, reply_to=msg)
+
+
+def site_app(*inner_mods) -> ClientApp:
+    """fedind's site agent. ``inner_mods`` go innermost, after the top-k and Paillier mods,
+    so they see the dense trained weights: how a benchmark puts an attacker or a recorder
+    into a site."""
+    # state_mod first (outermost): it saves context.state after the inner mods wrote to it.
+    site = ClientApp(mods=[state_mod, topk_mod, paillier_mod, *inner_mods])
+    site.train()(train)
+    site.evaluate()(evaluate_global)
+    site.query("phase_end")(phase_end)
+    site.query()(decrypt_query)  # encryption = "paillier": decrypt the round's summed ciphertexts
+    return site
+
+
+app = site_app()

@@ -5,13 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from flwr.clientapp import ClientApp
-
-from fedind import clientapp
 from fedind.config import RunConfig
-from fedind.secure import decrypt_query, paillier_mod
-from fedind.site_state import state_mod
-from fedind.transport import topk_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,13 +32,3 @@ def _toml_value(raw: str):
     except tomllib.TOMLDecodeError:
         return raw  # a bare word or path: take it as text
 
-
-def site_app_with(mod) -> ClientApp:
-    """fedind's site agent (its mods and its train, evaluate and decrypt handlers) with
-    ``mod`` innermost, so it sees the dense trained weights (a benchmark's attacker or
-    recorder)."""
-    app = ClientApp(mods=[state_mod, topk_mod, paillier_mod, mod])
-    app.train()(clientapp.train)
-    app.evaluate()(clientapp.evaluate_global)
-    app.query()(decrypt_query)
-    return app

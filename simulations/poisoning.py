@@ -69,12 +69,13 @@ from flwr.clientapp import ClientApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import parse_overrides, site_app_with  # noqa: E402
+from simulations.common import parse_overrides  # noqa: E402
 
 import fedind.serverapp  # noqa: E402
 from fedind import wire  # noqa: E402
 from fedind.metering import site_id_of  # noqa: E402
 from fedind.screening import InvalidUpdate, UpdateScreen, check_update, label_alignment  # noqa: E402
+from fedind.clientapp import site_app  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
 KINDS = ("scale", "signflip", "bodyflip", "absent")
@@ -172,7 +173,7 @@ class PoisonMod:
 
 def attacked_app(attack: Attack, sites: tuple[int, ...]) -> ClientApp:
     """fedind's site agent (same handlers and mods) with :class:`PoisonMod` innermost."""
-    return site_app_with(PoisonMod(attack, sites))
+    return site_app(PoisonMod(attack, sites))
 
 
 # --------------------------------------------------------------------------- the benchmark

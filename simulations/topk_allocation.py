@@ -43,9 +43,10 @@ from flwr.clientapp import ClientApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import parse_overrides, site_app_with  # noqa: E402
+from simulations.common import parse_overrides  # noqa: E402
 
 from fedind import wire  # noqa: E402
+from fedind.clientapp import site_app  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
 
@@ -89,7 +90,7 @@ def recording_app(folder: Path) -> ClientApp:
             np.savez(folder / f"r{server_round:03d}-s{partition:03d}.npz", count=count, update=update)
         return reply
 
-    return site_app_with(record)
+    return site_app(record)
 
 
 def load_updates(folder: Path) -> dict[int, dict[int, tuple[int, np.ndarray]]]:
