@@ -70,6 +70,7 @@ class RunConfig:
     topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
     topk_feedback: str = "residual"  # topk: residual (classic error feedback) | estimate (EF21: server keeps each site's update estimate)
     topk_residual_decay: float = 0.8  # topk, residual: share of the error-feedback residual carried to the next round
+    topk_gain: float = 1.0  # topk, residual: the server scales every decoded sparse delta by this
     topk_estimate_decay: float = 1.0  # topk, estimate: share of the EF21 estimate carried to the next round (1 = EF21)
     topk_warmup_rounds: int = 3  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
     encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.secure)
@@ -137,6 +138,7 @@ class RunConfig:
             "topk-threshold": self.topk_threshold in ("exact", "sampled"),
             "topk-feedback": self.topk_feedback in ("residual", "estimate"),
             "topk-residual-decay": 0 <= self.topk_residual_decay <= 1,
+            "topk-gain": math.isfinite(self.topk_gain) and self.topk_gain > 0,
             "topk-estimate-decay": 0 <= self.topk_estimate_decay <= 1,
             "topk-warmup-rounds": self.topk_warmup_rounds >= 0,
             "encryption": self.encryption in ENCRYPTIONS,

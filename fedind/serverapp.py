@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
@@ -90,7 +91,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     else:
         strategy = build_strategy(config, num_sites, num_classes)
         ef21 = config.compression == "topk" and config.topk_feedback == "estimate"
-        transform = EstimateUplink(config.topk_estimate_decay) if ef21 else PerReply(densify_reply)
+        transform = (EstimateUplink(config.topk_estimate_decay) if ef21
+                     else PerReply(functools.partial(densify_reply, gain=config.topk_gain)))
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")

@@ -107,28 +107,36 @@ def _sent_change(instruction: Message, reply: Message) -> dict[str, np.ndarray]:
     return decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(instruction.content[wire.ARRAYS]))
 
 
-def _with_weights(instruction: Message, reply: Message, delta: dict[str, np.ndarray]) -> Message:
-    """``reply`` carrying dense ``arrays`` = the global weights sent plus ``delta``, in
-    place of its sparse payload (and estimate token)."""
+def _with_weights(instruction: Message, reply: Message, delta: dict[str, np.ndarray], gain: float = 1.0) -> Message:
+    """``reply`` carrying dense ``arrays`` = the global weights sent plus ``gain * delta``,
+    in place of its sparse payload (and estimate token)."""
     sent = {name: array.numpy() for name, array in instruction.content[wire.ARRAYS].items()}
-    dense = ArrayRecord({name: Array((base + delta[name]).astype(base.dtype)) for name, base in sent.items()})
+    scale = np.float32(gain)
+    dense = ArrayRecord({name: Array((base + scale * delta[name]).astype(base.dtype)) for name, base in sent.items()})
     dropped = (wire.SPARSE_UPDATE, wire.TOPK_ESTIMATE)
     content = RecordDict({name: record for name, record in reply.content.items() if name not in dropped})
     content[wire.ARRAYS] = dense
     return Message(content, reply_to=instruction)
 
 
-def densify_reply(instruction: Message, reply: Message) -> Message:
+def densify_reply(instruction: Message, reply: Message, gain: float = 1.0) -> Message:
     """Server side: a reply carrying ``sparse-update`` becomes one carrying dense ``arrays``
-    (the global weights sent to that site plus the decoded delta); a malformed payload
-    becomes an error reply naming the fault. Other replies pass unchanged."""
+    (the global weights sent to that site plus ``gain`` times the decoded delta, run
+    config ``topk-gain``); a malformed payload becomes an error reply naming the fault.
+    Other replies pass unchanged.
+
+    Why a gain: a top-k reply carries only part of the site's update each round (the rest
+    waits in its residual), so the sparse aggregate is shorter than the dense one along
+    the dense direction (about half of it on the default scenario, see the README) and
+    training advances more slowly. Scaling every sparse delta alike is the same as a larger
+    server learning rate for FedAvg-type strategies, and works with any strategy."""
     if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
         return reply
     try:
         delta = _sent_change(instruction, reply)
     except PayloadError as err:
         return _rejected(instruction, str(err))
-    return _with_weights(instruction, reply, delta)
+    return _with_weights(instruction, reply, delta, gain)
 
 
 class EstimateUplink:

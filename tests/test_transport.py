@@ -81,6 +81,19 @@ def test_sparse_reply_is_small_and_decodes_to_global_plus_sent_delta():
     assert restored.metadata.src_node_id == 7
 
 
+def test_gain_scales_the_decoded_delta_not_the_global_weights():
+    g = arrays(0)
+    local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
+    msg = instruction(g, compression="topk", topk_ratio=0.01, topk_warmup_rounds=0)
+    reply = topk_mod(msg, context(), site_training(local))
+    sent = decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(g))
+    restored = densify_reply(msg, reply, gain=1.5)
+    for name in g:
+        np.testing.assert_allclose(
+            restored.content[wire.ARRAYS][name].numpy(), g[name] + 1.5 * sent[name], rtol=0, atol=1e-6
+        )
+
+
 def test_error_feedback_residual_persists_in_context_state_across_rounds():
     g = arrays(0)
     local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
