@@ -125,11 +125,12 @@ def densify_reply(instruction: Message, reply: Message, gain: float = 1.0) -> Me
     config ``topk-gain``); a malformed payload becomes an error reply naming the fault.
     Other replies pass unchanged.
 
-    Why a gain: a top-k reply carries only part of the site's update each round (the rest
-    waits in its residual), so the sparse aggregate is shorter than the dense one along
-    the dense direction (about half of it on the default scenario, see the README) and
-    training advances more slowly. Scaling every sparse delta alike is the same as a larger
-    server learning rate for FedAvg-type strategies, and works with any strategy."""
+    Why a gain: a top-k reply carries only part of the site's update each round; the rest
+    waits in its decaying residual and arrives rounds later or not at all, so training
+    advances more slowly than with dense updates under the same round budget. Scaling
+    every sparse delta alike is the same as a larger server learning rate for FedAvg-type
+    strategies, and works with any strategy (README, *Top-k sparse uplink*, has what it
+    measured)."""
     if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
         return reply
     try:
