@@ -37,6 +37,8 @@ def test_round_trip_through_flower_keys():
         ("server-momentum", 1.0),
         ("device", "tpu"),
         ("conflict-threshold", 2.0),
+        ("topk-gain", 0.0),
+        ("topk-gain", float("nan")),
     ],
 )
 def test_invalid_values_name_the_key(key, value):
