@@ -70,7 +70,7 @@ class RunConfig:
     topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
     topk_feedback: str = "residual"  # topk: residual (classic error feedback) | estimate (EF21: server keeps each site's update estimate)
     topk_residual_decay: float = 0.8  # topk, residual: share of the error-feedback residual carried to the next round
-    topk_gain: float = 1.5  # topk, residual: the server scales every decoded sparse delta by this (not used with estimate)
+    topk_gain: float = 1.5  # topk, residual: the server scales each decoded sparse delta by this (not with estimate)
     topk_estimate_decay: float = 1.0  # topk, estimate: share of the EF21 estimate carried to the next round (1 = EF21)
     topk_warmup_rounds: int = 3  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
     encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.secure)
