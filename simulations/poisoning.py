@@ -73,9 +73,9 @@ from simulations.common import parse_overrides  # noqa: E402
 
 import fedind.serverapp  # noqa: E402
 from fedind import wire  # noqa: E402
+from fedind.clientapp import site_app  # noqa: E402
 from fedind.metering import site_id_of  # noqa: E402
 from fedind.screening import InvalidUpdate, UpdateScreen, check_update, label_alignment  # noqa: E402
-from fedind.clientapp import site_app  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
 KINDS = ("scale", "signflip", "bodyflip", "absent")
