@@ -11,6 +11,8 @@ wire format would cost per reply (from the model's shapes).
     python simulations/compression_trials.py shared-mask --seeds 4      # one trial, seed 4
     python simulations/compression_trials.py lowrank --rank 2 --seeds 4
     python simulations/compression_trials.py lowrank --rank 2 --bytes   # bytes only, no run
+    python simulations/topk_allocation.py seed=4 --ratios 0.015         # saves dense updates, then:
+    python simulations/compression_trials.py lowrank --energy runs/topk-allocation/updates-seed4
 
 Trials (top-k defaults from pyproject: ratio 0.015, int4, residual decay 0.8, gain 1.5):
 
@@ -115,6 +117,38 @@ def reply_bytes(trial: str, args, width: int = 32, num_classes: int = 10) -> int
         total = sum(int(np.prod(s)) for s in shapes)
         return 300 + int(np.ceil(args.fraction * total / 8)) + 4 * len(shapes) + 8
     return None
+
+
+def energy_captured(updates_dir: Path, ratio: float, ranks: tuple[int, ...] = (1, 2)) -> list[str]:
+    """Per round, the mean over sites of the share of ``||u||^2`` that top-k at ``ratio``
+    and that rank-r per array (1-D arrays whole) keep, on dense updates saved by
+    ``simulations/topk_allocation.py`` (one round's fidelity, no error feedback)."""
+    from simulations.topk_allocation import load_updates
+
+    shapes = [tuple(t.shape) for _, t in sorted(FaultCNN(1, 10, 32).state_dict().items())]
+    offsets = np.concatenate([[0], np.cumsum([int(np.prod(s)) for s in shapes])])
+    lines = []
+    for server_round, sites in sorted(load_updates(updates_dir).items()):
+        shares = []
+        for _, update in sites.values():
+            total = float(update @ update)
+            top = np.sort(np.abs(update))[::-1][: round(ratio * update.size)]
+            row = [float(top @ top) / total]
+            for rank in ranks:
+                kept = 0.0
+                for shape, lo, hi in zip(shapes, offsets[:-1], offsets[1:]):
+                    part = update[lo:hi]
+                    if len(shape) >= 2:
+                        singular = np.linalg.svd(part.reshape(shape[0], -1), compute_uv=False)
+                        kept += float(singular[:rank] @ singular[:rank])
+                    else:
+                        kept += float(part @ part)
+                row.append(kept / total)
+            shares.append(row)
+        mean = np.mean(shares, axis=0)
+        lines.append(f"round {server_round}: top-k {ratio:g} keeps {mean[0]:.2f}; "
+                     + ", ".join(f"rank {r} keeps {m:.2f}" for r, m in zip(ranks, mean[1:])))
+    return lines
 
 
 def replaced(instruction: Message, reply: Message, arrays: dict[str, np.ndarray] | None = None,
@@ -234,8 +268,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rank", type=int, default=2)
     parser.add_argument("--fraction", type=float, default=0.25)
     parser.add_argument("--bytes", action="store_true", help="print the per-reply bytes of the trial's format and stop")
+    parser.add_argument("--energy", type=Path, help="lowrank: energy kept per round on the dense updates saved here "
+                        "by simulations/topk_allocation.py, and stop")
     parser.add_argument("--out", default="runs/compression-trials")
     args, overrides = parser.parse_known_args(argv)
+    if args.energy is not None:
+        print("\n".join(energy_captured(args.energy, parse_overrides(overrides).topk_ratio)))
+        return
     if args.bytes:
         print(f"{args.trial}: {reply_bytes(args.trial, args)} bytes per reply in its own format "
               "(None: the metered bytes are real)")
