@@ -105,18 +105,25 @@ def random_sign(update: np.ndarray, fraction: float, rng: np.random.Generator) -
     return out
 
 
-def reply_bytes(trial: str, args, width: int = 32, num_classes: int = 10) -> int | None:
-    """Bytes a reply of ``trial`` would take in its own format (model of fedind's default
+def reply_bytes(trial: str, args, ratio: float, width: int = 32, num_classes: int = 10) -> str:
+    """What a reply of ``trial`` would take in its own format (model of fedind's default
     shape; 300 bytes of metrics, histogram and framing as measured for top-k replies)."""
     shapes = [tuple(t.shape) for t in FaultCNN(1, num_classes, width).state_dict().values()]
     one_d = sum(int(np.prod(s)) for s in shapes if len(s) < 2)
     if trial == "lowrank":
         factors = sum(args.rank * (s[0] + int(np.prod(s[1:]))) for s in shapes if len(s) >= 2)
-        return 300 + (factors + 1) // 2 + 8 * sum(len(s) >= 2 for s in shapes) + one_d + 4 * len(shapes)
+        size = 300 + (factors + 1) // 2 + 8 * sum(len(s) >= 2 for s in shapes) + one_d + 4 * len(shapes)
+        return f"{size} bytes"
     if trial == "random-sign":
         total = sum(int(np.prod(s)) for s in shapes)
-        return 300 + int(np.ceil(args.fraction * total / 8)) + 4 * len(shapes) + 8
-    return None
+        return f"{300 + int(np.ceil(args.fraction * total / 8)) + 4 * len(shapes) + 8} bytes"
+    if trial == "shared-mask":
+        masked = round(args.mask * ratio * sum(int(np.prod(s)) for s in shapes))
+        return (f"{(masked + 1) // 2} bytes of int4 values at the {masked} mask coordinates (no indices: the "
+                f"server knows the mask) + a top-k reply of {args.own:g} k (metered: int8 with indices)")
+    if trial == "dense-1d":
+        return f"a top-k reply + {one_d + 4 * sum(len(s) < 2 for s in shapes)} bytes (1-D arrays int8, with scales)"
+    return "as metered (fedind's top-k payload)"
 
 
 def energy_captured(updates_dir: Path, ratio: float, ranks: tuple[int, ...] = (1, 2)) -> list[str]:
@@ -276,8 +283,7 @@ def main(argv: list[str]) -> None:
         print("\n".join(energy_captured(args.energy, parse_overrides(overrides).topk_ratio)))
         return
     if args.bytes:
-        print(f"{args.trial}: {reply_bytes(args.trial, args)} bytes per reply in its own format "
-              "(None: the metered bytes are real)")
+        print(f"{args.trial}: {reply_bytes(args.trial, args, parse_overrides(overrides).topk_ratio)} per reply")
         return
     base = parse_overrides(overrides)
     # dense-lines, shared-mask and ramp send fedind payloads; the others dense weights
