@@ -31,7 +31,7 @@ Trials (top-k defaults from pyproject: ratio 0.015, int4, residual decay 0.8, ga
   sides know, so no indices), each sent as its sign times the array's mean magnitude over
   the drawn coordinates; error feedback.
 - ``dense-1d``: the 1-D arrays (GroupNorm weights and biases, the head's bias) sent whole
-  in int8, top-k (the same k as over the whole model) over the rest.
+  in int8 (``--one-d int4``: int4), top-k (the same k as over the whole model) over the rest.
 
 Results go to OUT/<trial>-seed<N> (OUT = --out, runs/compression-trials); finished runs
 are reused. ``key=value`` overrides (before the options) change the run config.
@@ -122,7 +122,8 @@ def reply_bytes(trial: str, args, ratio: float, width: int = 32, num_classes: in
         return (f"{(masked + 1) // 2} bytes of int4 values at the {masked} mask coordinates (no indices: the "
                 f"server knows the mask) + a top-k reply of {args.own:g} k (metered: int8 with indices)")
     if trial == "dense-1d":
-        return f"a top-k reply + {one_d + 4 * sum(len(s) < 2 for s in shapes)} bytes (1-D arrays int8, with scales)"
+        values = one_d if args.one_d == "int8" else sum((int(np.prod(s)) + 1) // 2 for s in shapes if len(s) < 2)
+        return f"a top-k reply + {values + 4 * sum(len(s) < 2 for s in shapes)} bytes (1-D arrays {args.one_d}, with scales)"
     return "as metered (fedind's top-k payload)"
 
 
@@ -220,7 +221,7 @@ def trial_mod(trial: str, args):
                 elif trial == "random-sign":
                     sent_update[n] = random_sign(update[n], args.fraction, rng)
                 else:
-                    sent_update[n] = sparse[n].to_dense() if n in sparse else quantised(update[n], "int8")
+                    sent_update[n] = sparse[n].to_dense() if n in sparse else quantised(update[n], args.one_d)
             context.state[RESIDUALS] = ArrayRecord({n: Array(update[n] - sent_update[n]) for n in names})
             return replaced(msg, reply, {n: base[n] + np.float32(config.topk_gain) * sent_update[n] for n in names},
                             started=started)
@@ -274,6 +275,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ramp", type=float, nargs=2, default=[0.5, 1.5])
     parser.add_argument("--rank", type=int, default=2)
     parser.add_argument("--fraction", type=float, default=0.25)
+    parser.add_argument("--one-d", choices=["int8", "int4"], default="int8", help="dense-1d: the 1-D arrays' quantisation")
     parser.add_argument("--bytes", action="store_true", help="print the per-reply bytes of the trial's format and stop")
     parser.add_argument("--energy", type=Path, help="lowrank: energy kept per round on the dense updates saved here "
                         "by simulations/topk_allocation.py, and stop")
