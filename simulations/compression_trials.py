@@ -123,7 +123,8 @@ def reply_bytes(trial: str, args, ratio: float, width: int = 32, num_classes: in
                 f"server knows the mask) + a top-k reply of {args.own:g} k (metered: int8 with indices)")
     if trial == "dense-1d":
         values = one_d if args.one_d == "int8" else sum((int(np.prod(s)) + 1) // 2 for s in shapes if len(s) < 2)
-        return f"a top-k reply + {values + 4 * sum(len(s) < 2 for s in shapes)} bytes (1-D arrays {args.one_d}, with scales)"
+        scales = 4 * sum(len(s) < 2 for s in shapes)
+        return f"a top-k reply + {values + scales} bytes (1-D arrays {args.one_d}, with scales)"
     return "as metered (fedind's top-k payload)"
 
 
@@ -177,7 +178,8 @@ def trial_mod(trial: str, args):
 
     def mod(msg, context, call_next):
         if trial == "dense-lines":
-            if msg.metadata.message_type == MessageType.TRAIN and int(context.node_config.get("partition-id", -1)) in args.lines:
+            partition = int(context.node_config.get("partition-id", -1))
+            if msg.metadata.message_type == MessageType.TRAIN and partition in args.lines:
                 config_record = msg.content[wire.CONFIG]
                 values = json.loads(str(config_record[wire.RUN_CONFIG]))
                 config_record[wire.RUN_CONFIG] = json.dumps({**values, "compression": "none"})
@@ -207,6 +209,7 @@ def trial_mod(trial: str, args):
             ratio = config.topk_ratio * (low + (high - low) * progress)
 
         if trial in ("lowrank", "random-sign", "dense-1d"):
+            # random-sign: both sides could draw the subset from (seed, round, site)
             partition = int(context.node_config.get("partition-id", 0))
             rng = np.random.default_rng([config.seed, server_round, partition])
             if trial == "dense-1d":
@@ -217,7 +220,8 @@ def trial_mod(trial: str, args):
             sent_update = {}
             for n in names:
                 if trial == "lowrank":
-                    sent_update[n] = lowrank(update[n], args.rank) if update[n].ndim >= 2 else quantised(update[n], "int8")
+                    two_or_more = update[n].ndim >= 2
+                    sent_update[n] = lowrank(update[n], args.rank) if two_or_more else quantised(update[n], "int8")
                 elif trial == "random-sign":
                     sent_update[n] = random_sign(update[n], args.fraction, rng)
                 else:
@@ -275,7 +279,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ramp", type=float, nargs=2, default=[0.5, 1.5])
     parser.add_argument("--rank", type=int, default=2)
     parser.add_argument("--fraction", type=float, default=0.25)
-    parser.add_argument("--one-d", choices=["int8", "int4"], default="int8", help="dense-1d: the 1-D arrays' quantisation")
+    parser.add_argument("--one-d", choices=["int8", "int4"], default="int8",
+                        help="dense-1d: the 1-D arrays' quantisation")
     parser.add_argument("--bytes", action="store_true", help="print the per-reply bytes of the trial's format and stop")
     parser.add_argument("--energy", type=Path, help="lowrank: energy kept per round on the dense updates saved here "
                         "by simulations/topk_allocation.py, and stop")
