@@ -200,12 +200,13 @@ def phase_end(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-def site_app(*inner_mods) -> ClientApp:
-    """fedind's site agent. ``inner_mods`` go innermost, after the top-k and Paillier mods,
-    so they see the dense trained weights: how a benchmark puts an attacker or a recorder
-    into a site."""
+def site_app(*inner_mods, transport=topk_mod) -> ClientApp:
+    """fedind's site agent. ``inner_mods`` go innermost, after the transport (top-k) and
+    Paillier mods, so they see the dense trained weights: how a benchmark puts an attacker
+    or a recorder into a site. ``transport`` replaces the top-k mod: how a benchmark tries
+    another uplink (``simulations/compression_trials.py``)."""
     # state_mod first (outermost): it saves context.state after the inner mods wrote to it.
-    site = ClientApp(mods=[state_mod, topk_mod, paillier_mod, *inner_mods])
+    site = ClientApp(mods=[state_mod, transport, paillier_mod, *inner_mods])
     site.train()(train)
     site.evaluate()(evaluate_global)
     site.query("phase_end")(phase_end)

@@ -48,14 +48,13 @@ from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MessageType, RecordDict
-from flwr.clientapp import ClientApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.common import parse_overrides  # noqa: E402
 
 from fedind import wire  # noqa: E402
-from fedind.clientapp import evaluate_global, state_mod, train  # noqa: E402
+from fedind.clientapp import site_app  # noqa: E402
 from fedind.compression import (  # noqa: E402
     ErrorFeedback,
     SparseTensor,
@@ -105,10 +104,15 @@ def random_sign(update: np.ndarray, fraction: float, rng: np.random.Generator) -
     return out
 
 
-def reply_bytes(trial: str, args, ratio: float, width: int = 32, num_classes: int = 10) -> str:
+def model_shapes(width: int = 32, num_classes: int = 10) -> list[tuple[int, ...]]:
+    """Array shapes of fedind's default FaultCNN, in sorted-name order (the wire's order)."""
+    return [tuple(t.shape) for _, t in sorted(FaultCNN(1, num_classes, width).state_dict().items())]
+
+
+def reply_bytes(trial: str, args, ratio: float) -> str:
     """What a reply of ``trial`` would take in its own format (model of fedind's default
     shape; 300 bytes of metrics, histogram and framing as measured for top-k replies)."""
-    shapes = [tuple(t.shape) for t in FaultCNN(1, num_classes, width).state_dict().values()]
+    shapes = model_shapes()
     one_d = sum(int(np.prod(s)) for s in shapes if len(s) < 2)
     if trial == "lowrank":
         factors = sum(args.rank * (s[0] + int(np.prod(s[1:]))) for s in shapes if len(s) >= 2)
@@ -134,7 +138,7 @@ def energy_captured(updates_dir: Path, ratio: float, ranks: tuple[int, ...] = (1
     ``simulations/topk_allocation.py`` (one round's fidelity, no error feedback)."""
     from simulations.topk_allocation import load_updates
 
-    shapes = [tuple(t.shape) for _, t in sorted(FaultCNN(1, 10, 32).state_dict().items())]
+    shapes = model_shapes()
     offsets = np.concatenate([[0], np.cumsum([int(np.prod(s)) for s in shapes])])
     lines = []
     for server_round, sites in sorted(load_updates(updates_dir).items()):
@@ -173,21 +177,60 @@ def replaced(instruction: Message, reply: Message, arrays: dict[str, np.ndarray]
     return Message(content, reply_to=instruction)
 
 
-def trial_mod(trial: str, args):
-    """The site mod of ``trial`` (see the module docstring)."""
+def ramp_ratio(config: RunConfig, server_round: int, low: float, high: float) -> float:
+    """The ratio of ``server_round``: the warm-up's, then growing linearly from ``low`` to
+    ``high`` times ``topk-ratio`` over the remaining rounds."""
+    if server_round <= config.topk_warmup_rounds:
+        return warmup_ratio(config.topk_ratio, server_round, config.topk_warmup_rounds)
+    progress = (server_round - config.topk_warmup_rounds - 1) / max(
+        1, config.num_server_rounds - config.topk_warmup_rounds - 1)
+    return config.topk_ratio * (low + (high - low) * progress)
+
+
+def shared_mask_sparse(update: dict[str, np.ndarray], change: np.ndarray, masked: int, own: int) -> dict:
+    """Int8 sparse arrays of ``update`` at the ``masked`` largest coordinates of the flat
+    global ``change`` plus the ``own`` largest of the rest (one scale per array)."""
+    flat = np.concatenate([u.ravel() for u in update.values()])
+    mask = topk_indices(change, masked)
+    rest = np.abs(flat)
+    rest[mask] = 0
+    chosen = np.union1d(mask, topk_indices(rest, own))
+    chosen = chosen[flat[chosen] != 0]  # zeros are never sent
+    offsets = np.concatenate([[0], np.cumsum([u.size for u in update.values()])]).astype(np.int64)
+    bounds = np.searchsorted(chosen, offsets)
+    sparse = {}
+    for i, (name, u) in enumerate(update.items()):
+        picked = chosen[bounds[i]:bounds[i + 1]]
+        codes, scale = quantise(flat[picked], "int8")
+        sparse[name] = SparseTensor(u.shape, picked - offsets[i], codes, scale, "int8")
+    return sparse
+
+
+def dense_lines_mod(lines):
+    """fedind's top-k mod, except that the sites of ``lines`` send dense updates."""
 
     def mod(msg, context, call_next):
-        if trial == "dense-lines":
-            partition = int(context.node_config.get("partition-id", -1))
-            if msg.metadata.message_type == MessageType.TRAIN and partition in args.lines:
-                config_record = msg.content[wire.CONFIG]
-                values = json.loads(str(config_record[wire.RUN_CONFIG]))
-                config_record[wire.RUN_CONFIG] = json.dumps({**values, "compression": "none"})
-                reply = call_next(msg, context)
-                if not reply.has_error():
-                    reply.content[wire.METRICS][wire.COMPRESS_SECONDS] = 0.0
-                return reply
+        if msg.metadata.message_type != MessageType.TRAIN or int(context.node_config.get("partition-id", -1)) \
+                not in lines:
             return topk_mod(msg, context, call_next)
+        config_record = msg.content[wire.CONFIG]
+        values = json.loads(str(config_record[wire.RUN_CONFIG]))
+        config_record[wire.RUN_CONFIG] = json.dumps({**values, "compression": "none"})
+        reply = call_next(msg, context)
+        if not reply.has_error():  # every reply carries the same metric keys
+            reply.content[wire.METRICS][wire.COMPRESS_SECONDS] = 0.0
+        return reply
+
+    return mod
+
+
+def trial_mod(trial: str, args):
+    """The site mod of ``trial`` (see the module docstring): error feedback around the
+    trial's way of choosing what to send."""
+    if trial == "dense-lines":
+        return dense_lines_mod(set(args.lines))
+
+    def mod(msg, context, call_next):
         reply = call_next(msg, context)
         if msg.metadata.message_type != MessageType.TRAIN or reply.has_error():
             return reply
@@ -195,78 +238,48 @@ def trial_mod(trial: str, args):
         config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
         server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
         sent, local = msg.content[wire.ARRAYS], reply.content[wire.ARRAYS]
-        names = list(sent)
-        base = {n: sent[n].numpy().astype(np.float32) for n in names}
-        update = {n: local[n].numpy().astype(np.float32) - base[n] for n in names}
+        base = {n: sent[n].numpy().astype(np.float32) for n in sent}
+        update = {n: local[n].numpy().astype(np.float32) - base[n] for n in sent}
         if RESIDUALS in context.state:  # error feedback: carry the decayed residual
             held = context.state[RESIDUALS]
-            update = {n: update[n] + config.topk_residual_decay * held[n].numpy() for n in names}
+            update = {n: update[n] + config.topk_residual_decay * held[n].numpy() for n in update}
         ratio = warmup_ratio(config.topk_ratio, server_round, config.topk_warmup_rounds)
-        if trial == "ramp" and server_round > config.topk_warmup_rounds:
-            low, high = args.ramp
-            progress = (server_round - config.topk_warmup_rounds - 1) / max(
-                1, config.num_server_rounds - config.topk_warmup_rounds - 1)
-            ratio = config.topk_ratio * (low + (high - low) * progress)
 
-        if trial in ("lowrank", "random-sign", "dense-1d"):
-            # random-sign: both sides could draw the subset from (seed, round, site)
-            partition = int(context.node_config.get("partition-id", 0))
-            rng = np.random.default_rng([config.seed, server_round, partition])
-            if trial == "dense-1d":
-                two_d = {n: u for n, u in update.items() if u.ndim >= 2}
-                total = sum(u.size for u in update.values())
-                scale = total / sum(u.size for u in two_d.values())  # the same k as over the whole model
-                sparse = ErrorFeedback(mode=config.topk_quantization).compress(two_d, min(1.0, ratio * scale))
-            sent_update = {}
-            for n in names:
-                if trial == "lowrank":
-                    two_or_more = update[n].ndim >= 2
-                    sent_update[n] = lowrank(update[n], args.rank) if two_or_more else quantised(update[n], "int8")
-                elif trial == "random-sign":
-                    sent_update[n] = random_sign(update[n], args.fraction, rng)
-                else:
-                    sent_update[n] = sparse[n].to_dense() if n in sparse else quantised(update[n], args.one_d)
-            context.state[RESIDUALS] = ArrayRecord({n: Array(update[n] - sent_update[n]) for n in names})
-            return replaced(msg, reply, {n: base[n] + np.float32(config.topk_gain) * sent_update[n] for n in names},
-                            started=started)
+        if trial in ("ramp", "shared-mask"):  # a real sparse payload through fedind's codec and server
+            global_flat = np.concatenate([b.ravel() for b in base.values()])
+            if trial == "shared-mask" and PREVIOUS in context.state and server_round > config.topk_warmup_rounds:
+                n = global_flat.size
+                sparse = shared_mask_sparse(update, np.abs(global_flat - context.state[PREVIOUS]["w"].numpy()),
+                                            round(args.mask * config.topk_ratio * n),
+                                            round(args.own * config.topk_ratio * n))
+            else:
+                if trial == "ramp":
+                    ratio = ramp_ratio(config, server_round, *args.ramp)
+                mode = "int8" if trial == "shared-mask" else config.topk_quantization
+                sparse = ErrorFeedback(mode=mode).compress(update, ratio)  # residual already folded in
+            if trial == "shared-mask":
+                context.state[PREVIOUS] = ArrayRecord({"w": Array(global_flat)})
+            context.state[RESIDUALS] = ArrayRecord({n: Array(update[n] - sparse[n].to_dense()) for n in update})
+            return replaced(msg, reply, payload=encode(sparse), started=started)
 
-        # shared-mask and ramp: a real sparse payload through fedind's codec and server
-        shapes = [update[n].shape for n in names]
-        offsets = np.concatenate([[0], np.cumsum([u.size for u in update.values()])]).astype(np.int64)
-        flat = np.concatenate([update[n].ravel() for n in names])
-        global_flat = np.concatenate([base[n].ravel() for n in names])
-        k = max(1, round(ratio * flat.size))
-        # shared-mask: int8, one scale for the mask's small values and the own picks' large ones
-        mode = "int8" if trial == "shared-mask" else config.topk_quantization
-        if trial == "shared-mask" and PREVIOUS in context.state and server_round > config.topk_warmup_rounds:
-            change = np.abs(global_flat - context.state[PREVIOUS]["w"].numpy())
-            mask = topk_indices(change, round(args.mask * config.topk_ratio * flat.size))
-            rest = np.abs(flat)
-            rest[mask] = 0
-            chosen = np.union1d(mask, topk_indices(rest, round(args.own * config.topk_ratio * flat.size)))
-        else:
-            chosen = topk_indices(np.abs(flat), k)
-        context.state[PREVIOUS] = ArrayRecord({"w": Array(global_flat)})
-        chosen = chosen[flat[chosen] != 0]
-        bounds = np.searchsorted(chosen, offsets)
-        sparse = {}
-        for i, n in enumerate(names):
-            picked = chosen[bounds[i]:bounds[i + 1]]
-            codes, scale = quantise(flat[picked], mode)
-            sparse[n] = SparseTensor(shapes[i], picked - offsets[i], codes, scale, mode)
-            flat[picked] -= sparse[n].values()
-        context.state[RESIDUALS] = ArrayRecord(
-            {n: Array(flat[lo:hi].reshape(s).copy()) for n, s, lo, hi in zip(names, shapes, offsets[:-1], offsets[1:])})
-        return replaced(msg, reply, payload=encode(sparse), started=started)
+        if trial == "lowrank":
+            sent_update = {n: lowrank(u, args.rank) if u.ndim >= 2 else quantised(u, "int8") for n, u in update.items()}
+        elif trial == "random-sign":
+            # both sides could draw the subset from (seed, round, site): no indices on the wire
+            rng = np.random.default_rng([config.seed, server_round, int(context.node_config.get("partition-id", 0))])
+            sent_update = {n: random_sign(u, args.fraction, rng) for n, u in update.items()}
+        else:  # dense-1d
+            two_d = {n: u for n, u in update.items() if u.ndim >= 2}
+            total = sum(u.size for u in update.values())
+            scale = total / sum(u.size for u in two_d.values())  # the same k as over the whole model
+            sparse = ErrorFeedback(mode=config.topk_quantization).compress(two_d, min(1.0, ratio * scale))
+            sent_update = {n: sparse[n].to_dense() if n in sparse else quantised(u, args.one_d)
+                           for n, u in update.items()}
+        context.state[RESIDUALS] = ArrayRecord({n: Array(update[n] - sent_update[n]) for n in update})
+        gain = np.float32(config.topk_gain)  # applied here: the server sees dense weights
+        return replaced(msg, reply, {n: base[n] + gain * sent_update[n] for n in update}, started=started)
 
     return mod
-
-
-def trial_app(trial: str, args) -> ClientApp:
-    site = ClientApp(mods=[state_mod, trial_mod(trial, args)])
-    site.train()(train)
-    site.evaluate()(evaluate_global)
-    return site
 
 
 def main(argv: list[str]) -> None:
@@ -286,13 +299,13 @@ def main(argv: list[str]) -> None:
                         "by simulations/topk_allocation.py, and stop")
     parser.add_argument("--out", default="runs/compression-trials")
     args, overrides = parser.parse_known_args(argv)
+    base = parse_overrides(overrides)
     if args.energy is not None:
-        print("\n".join(energy_captured(args.energy, parse_overrides(overrides).topk_ratio)))
+        print("\n".join(energy_captured(args.energy, base.topk_ratio)))
         return
     if args.bytes:
-        print(f"{args.trial}: {reply_bytes(args.trial, args, parse_overrides(overrides).topk_ratio)} per reply")
+        print(f"{args.trial}: {reply_bytes(args.trial, args, base.topk_ratio)} per reply")
         return
-    base = parse_overrides(overrides)
     # dense-lines, shared-mask and ramp send fedind payloads; the others dense weights
     compression = "topk" if args.trial in ("dense-lines", "shared-mask", "ramp") else "none"
     for seed in args.seeds:
@@ -300,7 +313,7 @@ def main(argv: list[str]) -> None:
         config = replace(base, seed=seed, compression=compression, run_dir=args.out, run_name=name)
         folder = Path(args.out) / name
         if not (folder / "summary.json").exists():
-            simulate(config, client_app=trial_app(args.trial, args))
+            simulate(config, client_app=site_app(transport=trial_mod(args.trial, args)))
         summary = json.loads((folder / "summary.json").read_text())
         sites = ", ".join(f"{site} {r['accuracy']:.2f}" for site, r in summary["per_site"].items())
         print(f"{name}: final {summary['final_accuracy']:.4f}, best {summary['best_accuracy']:.4f}; {sites}",
