@@ -1,7 +1,9 @@
 """Centralized upper bound: the same model trained on the union of all sites' data.
 
-Same data, model, seed, batch size and learning-rate schedule as the federated run, and
-the same budget: ``num-server-rounds x local-epochs`` passes over the pooled data.
+Same data, model, seed, batch size and learning-rate schedule as the federated run, the
+same budget (``num-server-rounds x local-epochs`` passes over the pooled data) and the same
+loss: with ``logit-adjustment`` > 0 each window's logits are adjusted by ITS site's label
+prior, as that site's training does (:func:`site_prior_adjustment`).
 """
 
 from __future__ import annotations
@@ -14,23 +16,35 @@ from .data.format import SiteArrays, list_sites, load_site
 from .data.federation import make_site
 from .data.sources import global_test_set, resolve_root
 from .models import FaultCNN
-from .training import cosine_lr, evaluate, pick_device, train_local
+from .training import cosine_lr, evaluate, pick_device, prior_logit_adjustment, train_local
 
 
-def pooled_training_data(config: RunConfig) -> SiteArrays:
+def site_training_data(config: RunConfig) -> list[SiteArrays]:
+    """Every site's training windows, in site order."""
     if config.data_root:
         root = resolve_root(config.data_root)
-        parts = [load_site(root, site)[0] for site in list_sites(root)]
-    else:
-        spec = config.federation_spec()
-        parts = [make_site(spec, i)[0] for i in range(spec.num_sites)]
-    return SiteArrays(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]))
+        return [load_site(root, site)[0] for site in list_sites(root)]
+    spec = config.federation_spec()
+    return [make_site(spec, i)[0] for i in range(spec.num_sites)]
+
+
+def site_prior_adjustment(parts: list[SiteArrays], num_classes: int, tau: float) -> torch.Tensor:
+    """``[N, num_classes]``: each pooled window gets its own site's logit adjustment
+    (:func:`prior_logit_adjustment` of that site's label histogram), the loss the sites
+    train with. Without it, pooled label-skewed sites let the model learn "this line's
+    signal, so this line's classes": a shortcut the class-balanced global test set punishes."""
+    rows = [
+        prior_logit_adjustment(np.bincount(p.y, minlength=num_classes), tau).expand(p.num_examples, num_classes)
+        for p in parts
+    ]
+    return torch.cat(rows)
 
 
 def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
     """Train on pooled data; return the accuracy curve on the global test set (one point
     per ``local-epochs`` passes, i.e. per federated-round equivalent)."""
-    data = pooled_training_data(config)
+    parts = site_training_data(config)
+    data = SiteArrays(np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]))
     test_set = global_test_set(config.federation_spec(), config.data_root)
     if test_set is None:
         raise ValueError("the centralized bound needs a global test set (data-root/test.npz)")
@@ -38,6 +52,8 @@ def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
     torch.manual_seed(config.seed)
     num_classes = int(max(data.y.max(), test_set.y.max())) + 1
     model = FaultCNN(in_channels=data.x.shape[1], num_classes=max(num_classes, 2), width=config.model_width)
+    tau = config.logit_adjustment
+    adjustment = site_prior_adjustment(parts, model.head.out_features, tau) if tau > 0 else None
     curve = []
     for step in range(config.num_server_rounds):
         train_local(
@@ -50,6 +66,7 @@ def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
             device=device,
             momentum=config.local_momentum,
             grad_clip=config.local_grad_clip,
+            logit_adjustment=adjustment,
         )
         curve.append(evaluate(model, test_set, device).accuracy)
         if log_every and (step + 1) % log_every == 0:

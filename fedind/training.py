@@ -114,7 +114,8 @@ def train_local(
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
 
     ``logit_adjustment`` (``[num_classes]``, e.g. :func:`prior_logit_adjustment`) is added
-    to the logits of the training loss only.
+    to the logits of the training loss only; ``[N, num_classes]`` gives each of the ``N``
+    examples of ``data`` its own row (pooled sites, each with its own prior; not with replay).
 
     ``proximal_mu > 0`` adds FedProx's ``mu/2 * ||w - w_global||^2`` to the loss, with
     ``w_global`` the weights the model had on entry.
@@ -154,6 +155,12 @@ def train_local(
     generator = torch.Generator().manual_seed(seed)
     loss_fn = nn.CrossEntropyLoss()
     adjust = None if logit_adjustment is None else logit_adjustment.to(device)
+    per_example = adjust is not None and adjust.ndim == 2
+    if per_example and (adjust.shape[0] != len(data.y) or mix):
+        raise ValueError(
+            f"a per-example logit adjustment needs one row per example and no replay: "
+            f"got {tuple(adjust.shape)} for {len(data.y)} examples, replay={'on' if mix else 'off'}"
+        )
     total, steps = 0.0, 0
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=generator).to(device)
@@ -167,7 +174,7 @@ def train_local(
             with _autocast(device):
                 logits = model(xb)
                 if adjust is not None:
-                    logits = logits + adjust
+                    logits = logits + (adjust[batch] if per_example else adjust)
                 loss = loss_fn(logits, yb)
             if anchor is not None:
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))

@@ -91,6 +91,45 @@ def test_adjustment_keeps_a_skewed_site_from_pushing_down_classes_it_never_sees(
     assert abs(adjusted_drop) < 0.2 * plain_drop
 
 
+def test_per_example_rows_equal_to_one_adjustment_train_the_same_model():
+    data = _site([0] * 20 + [1] * 4)
+    one = prior_logit_adjustment([20, 4, 0, 0])
+    shared = _trained(data, one).state_dict()
+    per_example = _trained(data, one.expand(len(data.y), 4)).state_dict()
+    for name in shared:
+        torch.testing.assert_close(per_example[name], shared[name], rtol=0, atol=0)
+
+
+def test_per_example_rows_follow_their_examples_through_the_shuffle():
+    """Two pooled sites with their own priors, one shuffled batch, lr 0: the training loss
+    is the cross-entropy of each window's logits plus ITS site's row (rows left in data
+    order while the windows are shuffled would give another loss)."""
+    a, b = _site([0] * 12 + [1] * 4, seed=1), _site([2] * 12 + [3] * 4, seed=2)
+    pooled = SiteArrays(np.concatenate([a.x, b.x]), np.concatenate([a.y, b.y]))
+    rows = torch.cat([
+        prior_logit_adjustment([12, 4, 0, 0]).expand(16, 4),
+        prior_logit_adjustment([0, 0, 12, 4]).expand(16, 4),
+    ])
+    torch.manual_seed(0)
+    model = FaultCNN(in_channels=1, num_classes=4, width=8)
+    with torch.no_grad():
+        model.eval()
+        expected = torch.nn.functional.cross_entropy(model(torch.from_numpy(pooled.x)) + rows, torch.from_numpy(pooled.y))
+        unmatched = torch.nn.functional.cross_entropy(model(torch.from_numpy(pooled.x)) + rows.flip(0), torch.from_numpy(pooled.y))
+    model.eval()  # GroupNorm has no batch statistics: train and eval forward agree
+    result = train_local(model, pooled, epochs=1, batch_size=32, lr=0.0, seed=3, device=torch.device("cpu"),
+                         logit_adjustment=rows)
+    assert result.loss == pytest.approx(float(expected), rel=1e-5)
+    assert abs(float(unmatched) - float(expected)) > 0.1
+
+
+@pytest.mark.parametrize("rows", [3, 25])
+def test_per_example_adjustment_needs_one_row_per_example(rows):
+    data = _site([0, 1, 2, 3] * 6)
+    with pytest.raises(ValueError, match="one row per example"):
+        _trained(data, torch.zeros(rows, 4))
+
+
 @pytest.mark.parametrize("clip", [0.05, 0.5])
 def test_gradient_clipping_bounds_every_step(clip):
     """Plain SGD (no momentum, no weight decay), one batch per step: with ``grad_clip`` no
