@@ -85,7 +85,7 @@ def site_label_sets(spec: FederationSpec) -> tuple[np.ndarray, ...]:
     )
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)  # one simulation worker serves many sites in turn
 def make_site(spec: FederationSpec, index: int) -> tuple[SiteArrays, SiteArrays]:
     """Train and local test windows of site ``index`` (cached: a site agent loads once)."""
     if not 0 <= index < spec.num_sites:

@@ -37,7 +37,7 @@ def resolve_root(path: str) -> Path:
     return root.resolve()
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)  # one simulation worker serves many sites in turn
 def site_from_partition(
     spec: FederationSpec | DriftSpec | None, data_root: str, partition_id: int, num_partitions: int, phase: int = 0
 ) -> SiteData:
