@@ -49,7 +49,7 @@ class RunConfig:
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
     server_learning_rate: float = 1.0  # fedavgm and fedadam only
-    server_momentum: float = 0.9  # fedavgm only
+    server_momentum: float = 0.9  # fedavgm and trimmedavgm: Flower's heavy-ball server momentum
     fedadam_eta: float = 0.01  # fedadam server learning rate
     fedadam_tau: float = 0.001  # fedadam adaptivity (larger = closer to FedAvgM)
     trimmed_beta: float = 0.2  # fedtrimmedavg: share of the lowest and of the highest values cut per coordinate
@@ -57,6 +57,7 @@ class RunConfig:
     dwa_weighting: bool = True  # dwa: weight sites by n_i * exp(-KL(P_i || P_global) / T)
     dwa_temperature: float = 3.0  # dwa: T; larger = closer to FedAvg weights
     dwa_floor: float = 0.1  # dwa: every site keeps at least this share of its FedAvg weight
+    dwa_momentum: float = 0.97  # dwa: beta of its restarting server momentum (0 = none); the restart lets it run heavier than FedAvgM's
     conflict_buffer: bool = True  # dwa: route sign-conflicting coordinates through a momentum buffer
     conflict_threshold: float = 0.3  # dwa: sign agreement below this = conflict
     conflict_momentum: float = 0.9  # dwa without server momentum: beta of the conflict buffer
@@ -127,6 +128,7 @@ class RunConfig:
             "krum-malicious": self.krum_malicious >= 0,
             "dwa-temperature": self.dwa_temperature > 0,
             "dwa-floor": 0 <= self.dwa_floor <= 1,
+            "dwa-momentum": 0 <= self.dwa_momentum < 1,
             "conflict-threshold": 0 <= self.conflict_threshold <= 1,
             "conflict-momentum": 0 <= self.conflict_momentum < 1,
             "conflict-damping": 0 <= self.conflict_damping <= 1,
@@ -246,10 +248,10 @@ class RunConfig:
                 f"Invalid run config compression = {self.compression!r}: {why}, and top-k updates of "
                 f"different sites cover different coordinates; set compression = 'none'"
             )
-        if self.strategy == "dwa" and self.conflict_buffer and self.server_momentum == 0:
+        if self.strategy == "dwa" and self.conflict_buffer and self.dwa_momentum == 0:
             raise ConfigError(
-                f"Invalid run config conflict-buffer = true (with server-momentum = 0): {why}, so the "
-                f"per-site sign conflicts it needs are hidden; set conflict-buffer = false or server-momentum > 0"
+                f"Invalid run config conflict-buffer = true (with dwa-momentum = 0): {why}, so the "
+                f"per-site sign conflicts it needs are hidden; set conflict-buffer = false or dwa-momentum > 0"
             )
         if self.strategy == "dwa" and self.conflict_buffer and self.conflict_damping < 1:
             raise ConfigError(

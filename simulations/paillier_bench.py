@@ -150,8 +150,8 @@ def packed(key: crypto.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray
 
 # Simulation variants: run-config overrides over the benchmark's base config.
 VARIANTS = {
-    "dwa": {},  # pyproject defaults: server momentum 0.9 with conflict-aware restart
-    "dwa-no-server-momentum": {"server_momentum": 0.0, "conflict_buffer": False},  # DWA weights only
+    "dwa": {},  # pyproject defaults: restarting server momentum (dwa-momentum) over DWA weights
+    "dwa-no-server-momentum": {"dwa_momentum": 0.0, "conflict_buffer": False},  # DWA weights only
 }
 
 

@@ -35,6 +35,8 @@ def test_round_trip_through_flower_keys():
         ("dirichlet-alpha", float("inf")),
         ("model-width", 10),
         ("server-momentum", 1.0),
+        ("dwa-momentum", 1.0),
+        ("dwa-momentum", -0.1),
         ("device", "tpu"),
         ("conflict-threshold", 2.0),
         ("topk-gain", 0.0),

@@ -313,7 +313,7 @@ def test_cli_writes_the_pair_and_never_overwrites(tmp_path, capsys, monkeypatch)
     "settings, key_name",
     [
         (dict(compression="topk"), "compression"),
-        (dict(strategy="dwa", conflict_buffer=True, server_momentum=0.0), "conflict-buffer"),
+        (dict(strategy="dwa", conflict_buffer=True, dwa_momentum=0.0), "conflict-buffer"),
         (dict(strategy="dwa", conflict_damping=0.5), "conflict-damping"),
         (dict(num_sites=1), "num-sites"),
         (dict(num_sites=3, fraction_train=0.2), "num-sites"),
@@ -332,7 +332,7 @@ def test_features_that_cannot_work_under_encryption_fail_at_start(settings, key_
     "settings",
     [
         dict(strategy="dwa"),  # default DWA: restart momentum acts on the aggregate only
-        dict(strategy="dwa", conflict_buffer=False, server_momentum=0.0),
+        dict(strategy="dwa", conflict_buffer=False, dwa_momentum=0.0),
         dict(strategy="fedavgm"),
         dict(strategy="fedadam"),
         dict(strategy="fedprox"),

@@ -192,7 +192,7 @@ def test_encrypted_round_equals_the_plaintext_weighted_mean_and_the_server_holds
 
 
 def test_dwa_weights_apply_under_encryption(key_files, site_side):
-    cfg = config(key_files, strategy="dwa", conflict_buffer=False, server_momentum=0.0, dwa_temperature=0.5)
+    cfg = config(key_files, strategy="dwa", conflict_buffer=False, dwa_momentum=0.0, dwa_temperature=0.5)
     strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(1)
     hists = [[20, 10, 0], [0, 5, 5], [10, 10, 40]]

@@ -1,5 +1,7 @@
 """Run config -> strategy, and the metric averaging every strategy shares."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -33,6 +35,15 @@ def test_scalar_metrics_are_averaged_by_examples_and_histograms_dropped():
     averaged = average_scalar_metrics(records, wire.NUM_EXAMPLES)
     assert wire.LABEL_HISTOGRAM not in averaged
     assert averaged[wire.TRAIN_LOSS] == pytest.approx(np.average([1.0, 3.0], weights=[10, 30]))
+
+
+def test_dwa_takes_its_own_momentum_and_fedavgm_flowers():
+    # One config serves both: dwa-momentum drives DWA's restarting buffer, server-momentum
+    # stays Flower's FedAvgM's, so the heavier DWA default does not change the baseline.
+    config = RunConfig(strategy="dwa", dwa_momentum=0.97, server_momentum=0.5)
+    assert build_strategy(config, num_sites=10).server_momentum == 0.97
+    fedavgm = build_strategy(replace(config, strategy="fedavgm"), num_sites=10)
+    assert isinstance(fedavgm, FedAvgM) and fedavgm.server_momentum == 0.5
 
 
 def test_trimmedavgm_is_momentum_over_the_trimmed_mean():
