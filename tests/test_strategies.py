@@ -40,8 +40,8 @@ def test_scalar_metrics_are_averaged_by_examples_and_histograms_dropped():
 def test_dwa_takes_its_own_momentum_and_fedavgm_flowers():
     # One config serves both: dwa-momentum drives DWA's restarting buffer, server-momentum
     # stays Flower's FedAvgM's, so the heavier DWA default does not change the baseline.
-    config = RunConfig(strategy="dwa", dwa_momentum=0.97, server_momentum=0.5)
-    assert build_strategy(config, num_sites=10).server_momentum == 0.97
+    config = RunConfig(strategy="dwa", dwa_momentum=0.95, server_momentum=0.5)
+    assert build_strategy(config, num_sites=10).server_momentum == 0.95
     fedavgm = build_strategy(replace(config, strategy="fedavgm"), num_sites=10)
     assert isinstance(fedavgm, FedAvgM) and fedavgm.server_momentum == 0.5
 
