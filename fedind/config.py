@@ -48,7 +48,7 @@ class RunConfig:
     logit_adjustment: float = 0.5  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
-    server_learning_rate: float = 1.0  # fedavgm and fedadam only
+    server_learning_rate: float = 1.0  # fedavgm and trimmedavgm (fedadam has fedadam-eta)
     server_momentum: float = 0.9  # fedavgm and trimmedavgm: Flower's heavy-ball server momentum
     fedadam_eta: float = 0.01  # fedadam server learning rate
     fedadam_tau: float = 0.001  # fedadam adaptivity (larger = closer to FedAvgM)
@@ -60,7 +60,7 @@ class RunConfig:
     dwa_momentum: float = 0.95  # dwa: beta of its restarting server momentum (0 = none); the restart lets it run heavier than FedAvgM's
     conflict_buffer: bool = True  # dwa: route sign-conflicting coordinates through a momentum buffer
     conflict_threshold: float = 0.3  # dwa: sign agreement below this = conflict
-    conflict_momentum: float = 0.9  # dwa without server momentum: beta of the conflict buffer
+    conflict_momentum: float = 0.9  # dwa with dwa-momentum = 0: beta of the conflict buffer
     server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
     restart_agreement: float = 0.5  # dwa: restart a coordinate only where the sites' sign agreement is at least this (0 = wherever the mean opposes the buffer)
