@@ -86,6 +86,17 @@ class FaultCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
 
+    def condition(self, x: torch.Tensor) -> torch.Tensor:
+        """The fixed front end alone: ``[B, C, L] -> [B, 3C, L]``, no parameters."""
+        return self.features[0](x)
+
+    def classify(self, z: torch.Tensor) -> torch.Tensor:
+        """The trainable layers on conditioned windows: ``forward(x) == classify(condition(x))``.
+        Training computes ``condition`` once per dataset, not once per batch and epoch."""
+        for layer in list(self.features)[1:]:
+            z = layer(z)
+        return self.head(z)
+
     @classmethod
     def from_state_dict(cls, state: Mapping[str, torch.Tensor]) -> "FaultCNN":
         """Build the model whose shapes match ``state`` and load it (strict)."""

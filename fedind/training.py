@@ -142,11 +142,11 @@ def train_local(
     if replay is not None and replay.num_examples and replay.sample_shape != data.sample_shape:
         raise ValueError(f"replay windows {replay.sample_shape} differ from the data's {data.sample_shape}")
     model.to(device).train()
-    x = torch.from_numpy(data.x).to(device)
+    forward, x = _split_front_end(model, torch.from_numpy(data.x).to(device))
     y = torch.from_numpy(data.y).to(device)
     mix = replay is not None and replay.num_examples > 0
     if mix:
-        x_mem = torch.from_numpy(replay.x).to(device)
+        x_mem = _split_front_end(model, torch.from_numpy(replay.x).to(device))[1]
         y_mem = torch.from_numpy(replay.y).to(device)
         replay_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
         replay_generator = torch.Generator().manual_seed(replay_seed)
@@ -172,7 +172,7 @@ def train_local(
                 pick = pick.to(device)
                 xb, yb = torch.cat([xb, x_mem[pick]]), torch.cat([yb, y_mem[pick]])
             with _autocast(device):
-                logits = model(xb)
+                logits = forward(xb)
                 if adjust is not None:
                     logits = logits + (adjust[batch] if per_example else adjust)
                 loss = loss_fn(logits, yb)
@@ -189,6 +189,17 @@ def train_local(
             total += float(loss.detach())
             steps += 1
     return TrainResult(loss=total / max(steps, 1), steps=steps)
+
+
+@torch.no_grad()
+def _split_front_end(model: nn.Module, x: torch.Tensor, chunk: int = 512) -> tuple[Callable, torch.Tensor]:
+    """``(forward, inputs)`` for a training loop: a model with a fixed front end
+    (:meth:`fedind.models.FaultCNN.condition`) gets its windows conditioned once here, in
+    chunks, and trains ``classify`` on them: the same numbers as ``model(x)`` without
+    recomputing the front end every batch and epoch. Any other model gets ``(model, x)``."""
+    if not hasattr(model, "condition") or not len(x):  # (an FFT of no windows fails; no batch would run)
+        return model, x
+    return model.classify, torch.cat([model.condition(x[i : i + chunk]) for i in range(0, len(x), chunk)])
 
 
 @torch.no_grad()

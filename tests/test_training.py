@@ -8,7 +8,7 @@ import torch
 
 from fedind.data.format import SiteArrays
 from fedind.models import FaultCNN
-from fedind.training import prior_logit_adjustment, train_local, trained_label_counts
+from fedind.training import _split_front_end, prior_logit_adjustment, train_local, trained_label_counts
 
 
 def test_adjustment_is_tau_log_prior_with_a_floor_for_missing_classes():
@@ -150,3 +150,53 @@ def test_gradient_clipping_bounds_every_step(clip):
 
     assert max(steps(clip)) <= 0.1 * clip * (1 + 1e-5)
     assert steps(0.0)[0] > 0.1 * clip
+
+
+class _WholeModel(torch.nn.Module):
+    """FaultCNN seen only through ``forward``: training runs the front end every batch."""
+
+    def __init__(self, model: FaultCNN) -> None:
+        super().__init__()
+        self.model = model
+        self.head = model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def test_classify_after_condition_is_forward():
+    torch.manual_seed(0)
+    model = FaultCNN(in_channels=2, num_classes=5, width=8)
+    x = torch.randn(7, 2, 300)
+    assert torch.equal(model.classify(model.condition(x)), model(x))
+
+
+@pytest.mark.parametrize("replay_ratio", [0.0, 0.5])
+def test_front_end_computed_once_trains_the_same_model_bit_for_bit(replay_ratio):
+    """train_local conditions a FaultCNN's windows once (in chunks) instead of every batch:
+    the trained weights are exactly those of running the whole model on each batch."""
+    data = _site([0, 1, 2, 3] * 9 + [1] * 3, length=300)
+    replay = _site([2, 3] * 5, length=300, seed=3) if replay_ratio else None
+    trained = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = FaultCNN(in_channels=1, num_classes=4, width=8)
+        train_local(
+            _WholeModel(model) if wrap else model, data, epochs=2, batch_size=8, lr=0.05, seed=1,
+            device=torch.device("cpu"), replay=replay, replay_ratio=replay_ratio,
+            logit_adjustment=prior_logit_adjustment([9, 12, 9, 9]),
+        )
+        trained.append(model.state_dict())
+    for name in trained[0]:
+        assert torch.equal(trained[0][name], trained[1][name]), name
+
+
+def test_windows_conditioned_in_chunks_equal_the_whole_batch_and_other_models_pass_through():
+    torch.manual_seed(0)
+    model = FaultCNN(in_channels=1, num_classes=4, width=8)
+    x = torch.randn(11, 1, 300)
+    forward, z = _split_front_end(model, x, chunk=4)
+    assert forward == model.classify and torch.equal(z, model.condition(x))
+    assert _split_front_end(model, x[:0])[0] is model  # no windows: nothing to condition
+    plain = torch.nn.Linear(300, 4)
+    assert _split_front_end(plain, x) == (plain, x)
