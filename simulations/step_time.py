@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simulations.common import parse_overrides  # noqa: E402
 
 from fedind.data.federation import make_site  # noqa: E402
+from fedind.data.synthetic import NUM_CLASSES  # noqa: E402
 from fedind.models import FaultCNN  # noqa: E402
 from fedind.training import prior_logit_adjustment, train_local  # noqa: E402
 
@@ -44,9 +46,9 @@ class WholeModel(torch.nn.Module):
 
 def one_round(start: dict, data, config, whole: bool) -> tuple[float, int, dict]:
     """Seconds (process time) and steps of one round of local training, and the weights."""
-    model = FaultCNN(data.x.shape[1], 10, config.model_width)
+    model = FaultCNN(data.x.shape[1], NUM_CLASSES, config.model_width)
     model.load_state_dict(start)
-    adjustment = prior_logit_adjustment(torch.bincount(torch.from_numpy(data.y), minlength=10).numpy(), config.logit_adjustment)
+    adjustment = prior_logit_adjustment(np.bincount(data.y, minlength=NUM_CLASSES), config.logit_adjustment)
     began = time.process_time()
     result = train_local(
         WholeModel(model) if whole else model, data, epochs=config.local_epochs, batch_size=config.batch_size,
@@ -65,7 +67,7 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     data = make_site(config.federation_spec(), args.site)[0]
     torch.manual_seed(config.seed)
-    start = FaultCNN(data.x.shape[1], 10, config.model_width).state_dict()
+    start = FaultCNN(data.x.shape[1], NUM_CLASSES, config.model_width).state_dict()
     one_round(start, data, config, whole=False)  # warm-up: oneDNN builds its kernels
     one_round(start, data, config, whole=True)
     times: dict[bool, list[float]] = {False: [], True: []}

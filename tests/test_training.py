@@ -9,6 +9,7 @@ import torch
 from fedind.data.format import SiteArrays
 from fedind.models import FaultCNN
 from fedind.training import _split_front_end, prior_logit_adjustment, train_local, trained_label_counts
+from simulations.step_time import WholeModel
 
 
 def test_adjustment_is_tau_log_prior_with_a_floor_for_missing_classes():
@@ -152,18 +153,6 @@ def test_gradient_clipping_bounds_every_step(clip):
     assert steps(0.0)[0] > 0.1 * clip
 
 
-class _WholeModel(torch.nn.Module):
-    """FaultCNN seen only through ``forward``: training runs the front end every batch."""
-
-    def __init__(self, model: FaultCNN) -> None:
-        super().__init__()
-        self.model = model
-        self.head = model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-
 def test_classify_after_condition_is_forward():
     torch.manual_seed(0)
     model = FaultCNN(in_channels=2, num_classes=5, width=8)
@@ -182,7 +171,7 @@ def test_front_end_computed_once_trains_the_same_model_bit_for_bit(replay_ratio)
         torch.manual_seed(0)
         model = FaultCNN(in_channels=1, num_classes=4, width=8)
         train_local(
-            _WholeModel(model) if wrap else model, data, epochs=2, batch_size=8, lr=0.05, seed=1,
+            WholeModel(model) if wrap else model, data, epochs=2, batch_size=8, lr=0.05, seed=1,
             device=torch.device("cpu"), replay=replay, replay_ratio=replay_ratio,
             logit_adjustment=prior_logit_adjustment([9, 12, 9, 9]),
         )
