@@ -38,7 +38,6 @@ class WholeModel(torch.nn.Module):
     def __init__(self, model: FaultCNN) -> None:
         super().__init__()
         self.model = model
-        self.head = model.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
