@@ -32,7 +32,7 @@ from .data.sources import SiteData, site_from_dir, site_from_partition
 from .ewc import diagonal_fisher
 from .models import FaultCNN
 from .training import cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts
-from .site_state import state_mod
+from .site_state import run_scope_mod, state_mod
 from .secure import decrypt_query, paillier_mod
 from .transport import RESIDUALS, topk_mod
 
@@ -205,8 +205,9 @@ def site_app(*inner_mods, transport=topk_mod) -> ClientApp:
     Paillier mods, so they see the dense trained weights: how a benchmark puts an attacker
     or a recorder into a site. ``transport`` replaces the top-k mod: how a benchmark tries
     another uplink (``simulations/compression_trials.py``)."""
-    # state_mod first (outermost): it saves context.state after the inner mods wrote to it.
-    site = ClientApp(mods=[state_mod, transport, paillier_mod, *inner_mods])
+    # state_mod first (outermost): it saves context.state after the inner mods wrote to it;
+    # run_scope_mod next: it sees the restored state.
+    site = ClientApp(mods=[state_mod, run_scope_mod, transport, paillier_mod, *inner_mods])
     site.train()(train)
     site.evaluate()(evaluate_global)
     site.query("phase_end")(phase_end)

@@ -295,3 +295,36 @@ def state_mod(msg: Message, context: Context, call_next: Callable[[Message, Cont
         # The reply is still valid; the site keeps running on its in-memory state.
         log(ERROR, "could not save site state to %s: %s", folder, err)
     return reply
+
+
+# --------------------------------------------------------------------------- one run's state
+
+RUN_RECORD = "fedind-run"  # context.state: which fedind run the rest of the state belongs to
+
+
+def run_identity(msg: Message) -> str | None:
+    """``run-dir/run-name`` of the run config ``msg`` carries (None if it carries none)."""
+    config = msg.content.config_records.get(wire.CONFIG) if msg.has_content() else None
+    if config is None or wire.RUN_CONFIG not in config:
+        return None
+    try:
+        values = json.loads(str(config[wire.RUN_CONFIG]))
+    except ValueError:
+        return None  # the handler rejects the message with the parse error
+    return f"{values.get('run-dir', '')}/{values.get('run-name', '')}" if isinstance(values, dict) else None
+
+
+def run_scope_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """Flower client mod: ``context.state`` belongs to one fedind run. Flower keeps a context
+    per Flower run; :func:`fedind.simulation.simulate_many` runs several fedind runs in one
+    Flower run, so a message of another fedind run (run-dir and run-name of its run config)
+    starts from empty state: no residual or replay buffer carries over into the next run.
+    Goes inside :func:`state_mod`, which restores the state (and this record) first."""
+    identity = run_identity(msg)
+    if identity is not None:
+        record = context.state.get(RUN_RECORD)
+        if record is None or record.get("run") != identity:
+            for name in list(context.state.keys()):
+                del context.state[name]
+            context.state[RUN_RECORD] = ConfigRecord({"run": identity})
+    return call_next(msg, context)

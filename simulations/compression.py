@@ -32,26 +32,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.common import parse_overrides  # noqa: E402
 
-from fedind.simulation import simulate  # noqa: E402
+from fedind.simulation import simulate_many  # noqa: E402
 
 
 # Run folder / table name of a top-k variant, by topk-feedback.
 VARIANT_NAME = {"residual": "topk-{ratio:g}", "estimate": "topk-ef21-{ratio:g}"}
 
 
-def run(config, name: str, out: Path) -> tuple[dict, list[dict]]:
-    config = replace(config, run_dir=str(out / "runs"), run_name=name)
-    folder = out / "runs" / name
-    if not (folder / "summary.json").exists():
-        simulate(config)
-    with open(folder / "rounds.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    return json.loads((folder / "summary.json").read_text()), rows
+def run_config(config, name: str, out: Path):
+    return replace(config, run_dir=str(out / "runs"), run_name=name)
+
+
+def finished(config) -> bool:
+    return (Path(config.run_dir) / config.run_name / "summary.json").exists()
 
 
 def measure(config, name: str, out: Path) -> dict:
-    """One run's figures (running it unless its results exist)."""
-    summary, rows = run(config, name, out)
+    """One finished run's figures."""
+    folder = out / "runs" / name
+    with open(folder / "rounds.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    summary = json.loads((folder / "summary.json").read_text())
     totals = summary["totals"]
     return {
         "uplink_bytes_per_round": totals["uplink_bytes"] / summary["rounds"],
@@ -82,6 +83,10 @@ def main(argv: list[str]) -> None:
          replace(base, compression="topk", topk_ratio=ratio, topk_feedback=feedback))
         for feedback in args.feedbacks for ratio in args.ratios
     ]
+    # Every run not yet finished, in one simulation (one Ray start).
+    configs = [run_config(replace(config, seed=seed), f"{name}-seed{seed}", out)
+               for seed in args.seeds for name, config in variants]
+    simulate_many([c for c in configs if not finished(c)])
     per_run: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for seed in args.seeds:
         for name, config in variants:

@@ -31,7 +31,7 @@ from simulations.common import parse_overrides  # noqa: E402
 from fedind.centralized import train_centralized  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.results import rounds_to_target  # noqa: E402
-from fedind.simulation import simulate  # noqa: E402
+from fedind.simulation import simulate_many  # noqa: E402
 
 # name -> run-config overrides; every other setting is shared.
 VARIANTS: dict[str, dict] = {
@@ -54,8 +54,8 @@ def accuracy_curve(run_folder: Path) -> list[float]:
         return [float(row["accuracy"]) for row in csv.DictReader(f)]
 
 
-def run_variant(base: RunConfig, name: str, alpha: float, seed: int, out: Path) -> list[float]:
-    config = replace(
+def variant_config(base: RunConfig, name: str, alpha: float, seed: int, out: Path) -> RunConfig:
+    return replace(
         base,
         dirichlet_alpha=alpha,
         seed=seed,
@@ -63,10 +63,10 @@ def run_variant(base: RunConfig, name: str, alpha: float, seed: int, out: Path) 
         run_name=f"{name}-alpha{alpha}-seed{seed}",
         **VARIANTS[name],
     )
-    folder = Path(config.run_dir) / config.run_name
-    if not (folder / "summary.json").exists():
-        simulate(config)
-    return accuracy_curve(folder)
+
+
+def finished(config: RunConfig) -> bool:
+    return (Path(config.run_dir) / config.run_name / "summary.json").exists()
 
 
 def centralized(base: RunConfig, alpha: float, seed: int, out: Path) -> dict:
@@ -146,21 +146,25 @@ def main(argv: list[str]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    # The bounds first, then every run not yet finished in one simulation (one Ray start).
+    bound = {(a, s): centralized(base, a, s, out)["final_accuracy"] for a in args.alphas for s in args.seeds}
+    configs = {(a, s, n): variant_config(base, n, a, s, out) for a in args.alphas for s in args.seeds for n in args.variants}
+    simulate_many([c for c in configs.values() if not finished(c)])
+
     rows, curves = [], {}
-    bounds = {a: [] for a in args.alphas}  # the centralized final accuracy, one per seed
+    bounds = {a: [bound[(a, s)] for s in args.seeds] for a in args.alphas}  # one per seed
     for alpha in args.alphas:
         for seed in args.seeds:
-            bound = centralized(base, alpha, seed, out)
-            target = args.target_shares[0] * bound["final_accuracy"]
-            bounds[alpha].append(bound["final_accuracy"])
+            target = args.target_shares[0] * bound[(alpha, seed)]
             for name in args.variants:
-                curve = run_variant(base, name, alpha, seed, out)
+                config = configs[(alpha, seed, name)]
+                curve = accuracy_curve(Path(config.run_dir) / config.run_name)
                 curves[(alpha, name, seed)] = curve
                 rows.append(
                     {
                         "alpha": alpha, "seed": seed, "strategy": name,
-                        "centralized": bound["final_accuracy"], "target": target,
-                        **{f"rounds_to_{s}": rounds_to_target(curve, s * bound["final_accuracy"])
+                        "centralized": bound[(alpha, seed)], "target": target,
+                        **{f"rounds_to_{s}": rounds_to_target(curve, s * bound[(alpha, seed)])
                            for s in args.target_shares},
                         "final": curve[-1], "best": max(curve),
                     }

@@ -11,6 +11,7 @@ import json
 import logging
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from fedind.data.format import DataFormatError
 from fedind.models import FaultCNN
 from fedind.results import ROUND_FIELDS, rounds_to_target
 from fedind.serverapp import federation_shape, run_server
-from fedind.simulation import simulate
+from fedind.simulation import simulate, simulate_many
 
 DESIGN_COLUMNS = ["round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "sites", "failures", "seconds"]
 
@@ -201,13 +202,25 @@ def test_a_malformed_data_root_fails_before_round_1(good_root, tmp_path, breaker
 # --------------------------------------------------------------------------- determinism
 
 
-def test_same_seed_gives_a_bit_identical_model_on_cpu(tmp_path):
-    """DESIGN.md: deterministic on CPU for a seed (replies are aggregated in site order)."""
-    digests = []
-    for name in ("first", "second"):
-        config = RunConfig(**{**SHORT, "num_server_rounds": 2}, run_dir=str(tmp_path), run_name=name)
-        digests.append(simulate(config)["model_sha256"])
-    assert digests[0] == digests[1]
+def test_same_seed_gives_a_bit_identical_model_on_cpu_alone_or_batched(tmp_path):
+    """DESIGN.md: deterministic on CPU for a seed (replies are aggregated in site order).
+    ``simulate_many`` runs the same config twice in one simulation with the same result:
+    top-k keeps error-feedback residuals in the sites' ``context.state``, and the second
+    run starts without the first's (``run_scope_mod``)."""
+    config = RunConfig(**{**SHORT, "num_server_rounds": 2}, compression="topk", topk_ratio=0.05,
+                       run_dir=str(tmp_path))
+    alone = simulate(replace(config, run_name="alone"))["model_sha256"]
+    batched = simulate_many([replace(config, run_name=name) for name in ("first", "second")])
+    assert [s["model_sha256"] for s in batched] == [alone, alone]
+    assert [s["run"] for s in batched] == ["first", "second"]
+
+
+def test_simulate_many_refuses_runs_it_cannot_share(tmp_path):
+    config = RunConfig(**SHORT, run_dir=str(tmp_path), run_name="same")
+    with pytest.raises(ValueError, match="distinct run-dir/run-name"):
+        simulate_many([config, config])
+    with pytest.raises(ValueError, match="same number of sites"):
+        simulate_many([config, replace(config, run_name="other", num_sites=4)])
 
 
 # --------------------------------------------------------------------------- composition

@@ -10,7 +10,17 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from fedind import wire
 from fedind.compression import decode, expected_of, from_record
 from fedind.config import RunConfig
-from fedind.site_state import MANIFEST, CorruptStateError, decode_state, encode_state, load_state, save_state, state_mod
+from fedind.site_state import (
+    MANIFEST,
+    RUN_RECORD,
+    CorruptStateError,
+    decode_state,
+    encode_state,
+    load_state,
+    run_scope_mod,
+    save_state,
+    state_mod,
+)
 from fedind.transport import topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
@@ -23,8 +33,8 @@ def arrays(seed: int, scale: float = 1.0) -> dict:
     return {k: (scale * rng.normal(size=s)).astype(np.float32) for k, s in SHAPES.items()}
 
 
-def instruction(global_arrays: dict, server_round: int) -> Message:
-    run_config = RunConfig(compression="topk", topk_ratio=0.05).to_flower()
+def instruction(global_arrays: dict, server_round: int, run_name: str = "line-trial") -> Message:
+    run_config = RunConfig(compression="topk", topk_ratio=0.05, run_name=run_name).to_flower()
     content = RecordDict(
         {
             wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in global_arrays.items()}),
@@ -54,8 +64,8 @@ def context(state_dir=None, run_id: int = 1) -> Context:
 
 
 def agent(msg: Message, ctx: Context, local: dict) -> Message:
-    """The ClientApp's mod chain: state_mod outermost, then topk_mod, then the handler."""
-    return state_mod(msg, ctx, lambda m, c: topk_mod(m, c, training(local)))
+    """The ClientApp's mod chain: state_mod outermost, run_scope_mod, topk_mod, the handler."""
+    return state_mod(msg, ctx, lambda m, c: run_scope_mod(m, c, lambda m2, c2: topk_mod(m2, c2, training(local))))
 
 
 def sent(reply: Message, g: dict) -> dict:
@@ -152,6 +162,28 @@ def test_a_new_run_starts_fresh(tmp_path):
     agent(instruction(g, 1), other, arrays(1))
     assert int(other.state["topk-state"]["step"]) == 1
     assert (tmp_path / "run-1").is_dir() and (tmp_path / "run-2").is_dir()
+
+
+def test_another_fedind_run_in_the_same_flower_run_starts_from_empty_state():
+    # fedind.simulation.simulate_many: one Flower run (one context per site), several fedind runs.
+    g = arrays(0)
+    ctx = context()
+    for r in (1, 2):
+        agent(instruction(g, r, run_name="first"), ctx, arrays(r))
+    assert int(ctx.state["topk-state"]["step"]) == 2
+    reply = agent(instruction(g, 1, run_name="second"), ctx, arrays(1))
+    assert int(ctx.state["topk-state"]["step"]) == 1
+    assert ctx.state[RUN_RECORD]["run"] == "runs/second"
+    # ... and it sends what a fresh site sends.
+    fresh = sent(agent(instruction(g, 1, run_name="second"), context(), arrays(1)), g)
+    for name in g:
+        np.testing.assert_array_equal(sent(reply, g)[name], fresh[name])
+
+
+def test_the_site_agent_scopes_state_to_a_run_inside_state_mod():
+    from fedind.clientapp import app
+
+    assert app._mods[:2] == [state_mod, run_scope_mod]  # Flower 1.42 keeps the mods list here
 
 
 @pytest.mark.parametrize("damage", ["flip-array-byte", "truncate-json", "garbage-manifest", "delete-array-file"])
