@@ -323,8 +323,9 @@ def run_scope_mod(msg: Message, context: Context, call_next: Callable[[Message, 
     identity = run_identity(msg)
     if identity is not None:
         record = context.state.get(RUN_RECORD)
-        if record is None or record.get("run") != identity:
+        if record is not None and record.get("run") != identity:
             for name in list(context.state.keys()):
                 del context.state[name]
-            context.state[RUN_RECORD] = ConfigRecord({"run": identity})
+        # (State without the record, saved before this mod existed, is kept and stamped.)
+        context.state[RUN_RECORD] = ConfigRecord({"run": identity})
     return call_next(msg, context)

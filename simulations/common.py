@@ -1,4 +1,5 @@
-"""Shared bits of the simulation scripts: run config from pyproject + key=value overrides."""
+"""Shared bits of the simulation scripts: run config from pyproject + key=value overrides,
+and which runs are finished."""
 
 from __future__ import annotations
 
@@ -32,3 +33,8 @@ def _toml_value(raw: str):
     except tomllib.TOMLDecodeError:
         return raw  # a bare word or path: take it as text
 
+
+
+def finished(config: RunConfig) -> bool:
+    """Whether ``config``'s run folder holds a summary: benchmarks reuse finished runs."""
+    return (Path(config.run_dir) / config.run_name / "summary.json").exists()

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import parse_overrides  # noqa: E402
+from simulations.common import finished, parse_overrides  # noqa: E402
 
 from fedind.simulation import simulate_many  # noqa: E402
 
@@ -41,10 +41,6 @@ VARIANT_NAME = {"residual": "topk-{ratio:g}", "estimate": "topk-ef21-{ratio:g}"}
 
 def run_config(config, name: str, out: Path):
     return replace(config, run_dir=str(out / "runs"), run_name=name)
-
-
-def finished(config) -> bool:
-    return (Path(config.run_dir) / config.run_name / "summary.json").exists()
 
 
 def measure(config, name: str, out: Path) -> dict:

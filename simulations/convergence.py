@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import parse_overrides  # noqa: E402
+from simulations.common import finished, parse_overrides  # noqa: E402
 
 from fedind.centralized import train_centralized  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
@@ -64,10 +64,6 @@ def variant_config(base: RunConfig, name: str, alpha: float, seed: int, out: Pat
         run_name=f"{name}-alpha{alpha}-seed{seed}",
         **VARIANTS[name],
     )
-
-
-def finished(config: RunConfig) -> bool:
-    return (Path(config.run_dir) / config.run_name / "summary.json").exists()
 
 
 def centralized(base: RunConfig, alpha: float, seed: int, out: Path) -> dict:
@@ -148,15 +144,15 @@ def main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     # The bounds first, then every run not yet finished in one simulation (one Ray start).
-    bound = {(a, s): centralized(base, a, s, out)["final_accuracy"] for a in args.alphas for s in args.seeds}
+    bound_of = {(a, s): centralized(base, a, s, out)["final_accuracy"] for a in args.alphas for s in args.seeds}
     configs = {(a, s, n): variant_config(base, n, a, s, out) for a in args.alphas for s in args.seeds for n in args.variants}
     simulate_many([c for c in configs.values() if not finished(c)])
 
     rows, curves = [], {}
-    bounds = {a: [bound[(a, s)] for s in args.seeds] for a in args.alphas}  # one per seed
+    bounds = {a: [bound_of[(a, s)] for s in args.seeds] for a in args.alphas}  # one per seed
     for alpha in args.alphas:
         for seed in args.seeds:
-            target = args.target_shares[0] * bound[(alpha, seed)]
+            target = args.target_shares[0] * bound_of[(alpha, seed)]
             for name in args.variants:
                 config = configs[(alpha, seed, name)]
                 curve = accuracy_curve(Path(config.run_dir) / config.run_name)
@@ -164,8 +160,8 @@ def main(argv: list[str]) -> None:
                 rows.append(
                     {
                         "alpha": alpha, "seed": seed, "strategy": name,
-                        "centralized": bound[(alpha, seed)], "target": target,
-                        **{f"rounds_to_{s}": rounds_to_target(curve, s * bound[(alpha, seed)])
+                        "centralized": bound_of[(alpha, seed)], "target": target,
+                        **{f"rounds_to_{s}": rounds_to_target(curve, s * bound_of[(alpha, seed)])
                            for s in args.target_shares},
                         "final": curve[-1], "best": max(curve),
                     }

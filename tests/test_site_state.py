@@ -180,6 +180,18 @@ def test_another_fedind_run_in_the_same_flower_run_starts_from_empty_state():
         np.testing.assert_array_equal(sent(reply, g)[name], fresh[name])
 
 
+def test_state_saved_before_runs_were_recorded_is_kept():
+    # A site upgraded mid-run restores state without the run record: it keeps its residuals.
+    g = arrays(0)
+    ctx = context()
+    for r in (1, 2):
+        topk_mod(instruction(g, r), ctx, training(arrays(r)))  # no run_scope_mod: no record
+    assert RUN_RECORD not in ctx.state
+    agent(instruction(g, 3), ctx, arrays(3))
+    assert int(ctx.state["topk-state"]["step"]) == 3
+    assert ctx.state[RUN_RECORD]["run"] == "runs/line-trial"
+
+
 def test_the_site_agent_scopes_state_to_a_run_inside_state_mod():
     from fedind.clientapp import app
 
