@@ -30,6 +30,8 @@ def simulate(
 
     ``client_app``: the site agent to simulate (default: :data:`fedind.clientapp.app`), e.g.
     one with an extra mod that misbehaves at some sites (``simulations/poisoning.py``)."""
+    if not config.run_name and not config.resume:  # resume without a name: the newest run (serverapp)
+        config = replace(config, run_name=f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     return simulate_many([config], num_supernodes, num_cpus, num_gpus, client_app)[0]
 
 
@@ -48,7 +50,6 @@ def simulate_many(
     (imports, data) again for every run: about 15 s a run on 2 cores. For benchmarks that
     make many runs of the same federation size. The runs need distinct run folders and the
     same number of sites."""
-    configs = [_named(config) for config in configs]
     if not configs:
         return []
     folders = [(c.run_dir, c.run_name) for c in configs]
@@ -57,6 +58,7 @@ def simulate_many(
     num_sites = {federation_shape(c)[0] for c in configs}
     if len(num_sites) > 1:
         raise ValueError(f"simulate_many needs the same number of sites in every run, got {sorted(num_sites)}")
+    configs = [_with_keys(config) for config in configs]
     server_app = ServerApp()
     summaries: list[dict] = []
 
@@ -82,9 +84,7 @@ def simulate_many(
     return summaries
 
 
-def _named(config: RunConfig) -> RunConfig:
-    if not config.run_name and not config.resume:  # resume without a name: the newest run (serverapp)
-        config = replace(config, run_name=f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+def _with_keys(config: RunConfig) -> RunConfig:
     if config.encryption == "paillier" and not config.paillier_public_key:
         # A throwaway key pair in the run folder: the server gets the .pub, the sites the .key.
         config = provision_simulation_keys(config, Path(config.run_dir) / config.run_name)

@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 
 from fedind.config import RunConfig
+from fedind.serverapp import run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,6 @@ def _toml_value(raw: str):
         return raw  # a bare word or path: take it as text
 
 
-
 def finished(config: RunConfig) -> bool:
     """Whether ``config``'s run folder holds a summary: benchmarks reuse finished runs."""
-    return (Path(config.run_dir) / config.run_name / "summary.json").exists()
+    return (run_folder(config) / "summary.json").exists()

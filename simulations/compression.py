@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.common import finished, parse_overrides  # noqa: E402
 
+from fedind.serverapp import run_folder  # noqa: E402
 from fedind.simulation import simulate_many  # noqa: E402
 
 
@@ -39,13 +40,9 @@ from fedind.simulation import simulate_many  # noqa: E402
 VARIANT_NAME = {"residual": "topk-{ratio:g}", "estimate": "topk-ef21-{ratio:g}"}
 
 
-def run_config(config, name: str, out: Path):
-    return replace(config, run_dir=str(out / "runs"), run_name=name)
-
-
-def measure(config, name: str, out: Path) -> dict:
+def measure(config) -> dict:
     """One finished run's figures."""
-    folder = out / "runs" / name
+    folder = run_folder(config)
     with open(folder / "rounds.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     summary = json.loads((folder / "summary.json").read_text())
@@ -80,13 +77,15 @@ def main(argv: list[str]) -> None:
         for feedback in args.feedbacks for ratio in args.ratios
     ]
     # Every run not yet finished, in one simulation (one Ray start).
-    configs = [run_config(replace(config, seed=seed), f"{name}-seed{seed}", out)
-               for seed in args.seeds for name, config in variants]
-    simulate_many([c for c in configs if not finished(c)])
+    configs = {
+        (seed, name): replace(config, seed=seed, run_dir=str(out / "runs"), run_name=f"{name}-seed{seed}")
+        for seed in args.seeds for name, config in variants
+    }
+    simulate_many([c for c in configs.values() if not finished(c)])
     per_run: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for seed in args.seeds:
-        for name, config in variants:
-            figures = measure(replace(config, seed=seed), f"{name}-seed{seed}", out)
+        for name, _ in variants:
+            figures = measure(configs[(seed, name)])
             per_run[name].append({"seed": seed, **figures})
             print(f"{name} seed {seed}: final {figures['final_accuracy']:.4f}", flush=True)
 

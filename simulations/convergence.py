@@ -32,6 +32,7 @@ from simulations.common import finished, parse_overrides  # noqa: E402
 from fedind.centralized import train_centralized  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.results import rounds_to_target  # noqa: E402
+from fedind.serverapp import run_folder  # noqa: E402
 from fedind.simulation import simulate_many  # noqa: E402
 
 # name -> run-config overrides; every other setting is shared.
@@ -154,8 +155,7 @@ def main(argv: list[str]) -> None:
         for seed in args.seeds:
             target = args.target_shares[0] * bound_of[(alpha, seed)]
             for name in args.variants:
-                config = configs[(alpha, seed, name)]
-                curve = accuracy_curve(Path(config.run_dir) / config.run_name)
+                curve = accuracy_curve(run_folder(configs[(alpha, seed, name)]))
                 curves[(alpha, name, seed)] = curve
                 rows.append(
                     {
