@@ -11,7 +11,8 @@ share is the plotted target). Per-seed rows are in results.csv.
 
 Extra ``key=value`` arguments override the run config (pyproject defaults) for every run.
 Finished runs are reused (their summary.json exists), so an interrupted benchmark resumes.
-The bounds come first, then every pending run in one Flower simulation (one Ray start).
+The bounds come first, side by side at one torch thread each, then every pending run in one
+Flower simulation (one Ray start).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.common import finished, parse_overrides  # noqa: E402
 
-from fedind.centralized import train_centralized  # noqa: E402
+from fedind.centralized import train_centralized_many  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.results import rounds_to_target  # noqa: E402
 from fedind.serverapp import run_folder  # noqa: E402
@@ -67,13 +68,17 @@ def variant_config(base: RunConfig, name: str, alpha: float, seed: int, out: Pat
     )
 
 
-def centralized(base: RunConfig, alpha: float, seed: int, out: Path) -> dict:
-    path = out / "centralized" / f"alpha{alpha}-seed{seed}.json"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        result = train_centralized(replace(base, dirichlet_alpha=alpha, seed=seed))
-        path.write_text(json.dumps(result, indent=2))
-    return json.loads(path.read_text())
+def centralized(base: RunConfig, keys: list[tuple[float, int]], out: Path) -> dict[tuple[float, int], dict]:
+    """The centralized bound of every ``(alpha, seed)``: the missing ones trained side by
+    side, one torch thread each (:func:`fedind.centralized.train_centralized_many`), then
+    all read back from ``out/centralized``."""
+    path = {(a, s): out / "centralized" / f"alpha{a}-seed{s}.json" for a, s in keys}
+    pending = [k for k in keys if not path[k].exists()]
+    (out / "centralized").mkdir(parents=True, exist_ok=True)
+    results = train_centralized_many([replace(base, dirichlet_alpha=a, seed=s) for a, s in pending])
+    for key, result in zip(pending, results):
+        path[key].write_text(json.dumps(result, indent=2))
+    return {k: json.loads(path[k].read_text()) for k in keys}
 
 
 def mean_std(values: list[float]) -> str:
@@ -145,7 +150,8 @@ def main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     # The bounds first, then every run not yet finished in one simulation (one Ray start).
-    bound_of = {(a, s): centralized(base, a, s, out)["final_accuracy"] for a in args.alphas for s in args.seeds}
+    keys = [(a, s) for a in args.alphas for s in args.seeds]
+    bound_of = {key: result["final_accuracy"] for key, result in centralized(base, keys, out).items()}
     configs = {(a, s, n): variant_config(base, n, a, s, out) for a in args.alphas for s in args.seeds for n in args.variants}
     simulate_many([c for c in configs.values() if not finished(c)])
 

@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from fedind.centralized import site_prior_adjustment, site_training_data, train_centralized
+from fedind.centralized import site_prior_adjustment, site_training_data, train_centralized, train_centralized_many
 from fedind.config import RunConfig
 from fedind.data.format import SiteArrays
 from fedind.training import prior_logit_adjustment
@@ -36,3 +36,19 @@ def test_bound_follows_the_sites_loss():
     assert len(plain["curve"]) == len(adjusted["curve"]) == SMALL.num_server_rounds
     assert plain["train_examples"] == sum(p.num_examples for p in site_training_data(SMALL))
     assert plain["curve"] != adjusted["curve"]
+
+
+def test_bounds_in_parallel_are_the_one_thread_bound():
+    """Two bounds side by side, one torch thread each: the same curves as training each
+    here at one thread."""
+    configs = [SMALL, replace(SMALL, seed=1)]
+    parallel = train_centralized_many(configs, processes=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        here = [train_centralized(c) for c in configs]
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["curve"] for r in parallel] == [r["curve"] for r in here]
+    assert parallel[0]["curve"] != parallel[1]["curve"]
+    assert train_centralized_many([]) == []
