@@ -6,7 +6,7 @@ strategy on the same sites, data, model, seed and budget, and report rounds to e
 final and best accuracy (mean ± std over seeds), a Markdown table and a plot (the first
 share is the plotted target). Per-seed rows are in results.csv.
 
-    python simulations/convergence.py                                   # full: 69 min on 2 cores (2026-12-03)
+    python simulations/convergence.py                                   # full: 64 min on 2 cores (2026-12-03)
     python simulations/convergence.py --alphas 0.1 --seeds 0 num-server-rounds=30   # quick look
 
 Extra ``key=value`` arguments override the run config (pyproject defaults) for every run.
