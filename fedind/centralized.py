@@ -6,8 +6,9 @@ loss: with ``logit-adjustment`` > 0 each window's logits are adjusted by ITS sit
 prior, as that site's training does (:func:`site_prior_adjustment`).
 
 The curve depends, in its last bits and so over 160 epochs in its value, on torch's thread
-count. :func:`train_centralized_many` trains each bound in a process of one thread, as a
-simulation worker trains a site: the same numbers on any machine, several bounds at a time.
+count. :func:`train_centralized_many` trains each bound in a worker process of one thread,
+as a simulation worker trains a site: the same numbers whatever the machine's core count,
+several bounds at a time.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
 
 
 def train_centralized_many(configs: list[RunConfig], processes: int | None = None, log_every: int = 0) -> list[dict]:
-    """:func:`train_centralized` of every config, in order, each in a fresh process of one
-    torch thread, ``processes`` at a time (default: one per CPU core).
+    """:func:`train_centralized` of every config, results in order, in ``processes`` worker
+    processes (default: one per CPU core) of one torch thread each.
 
     One bound barely uses a second thread (121 s at one thread against 112 s at two on
     2 cores, 2026-12-03), so two bounds side by side at one thread each take about half the
