@@ -23,7 +23,7 @@ from fedind.centralized import train_centralized_many  # noqa: E402
 def main(argv: list[str]) -> None:
     config = parse_overrides(argv)
     started = time.time()
-    result = train_centralized_many([config], log_every=10)[0]  # one torch thread, as in the benchmarks
+    (result,) = train_centralized_many([config], log_every=10)  # one torch thread, as in the benchmarks
     out = Path(config.run_dir) / "centralized"
     out.mkdir(parents=True, exist_ok=True)
     name = f"alpha{config.dirichlet_alpha}-sites{config.num_sites}-seed{config.seed}.json"

@@ -70,13 +70,13 @@ def variant_config(base: RunConfig, name: str, alpha: float, seed: int, out: Pat
 
 def centralized(base: RunConfig, keys: list[tuple[float, int]], out: Path) -> dict[tuple[float, int], dict]:
     """The centralized bound of every ``(alpha, seed)``: the missing ones trained side by
-    side, one torch thread each (:func:`fedind.centralized.train_centralized_many`), then
-    all read back from ``out/centralized``."""
+    side, one torch thread each (:func:`fedind.centralized.train_centralized_many`), each
+    saved to ``out/centralized`` as it comes, then all read back from there."""
     path = {(a, s): out / "centralized" / f"alpha{a}-seed{s}.json" for a, s in keys}
     pending = [k for k in keys if not path[k].exists()]
     (out / "centralized").mkdir(parents=True, exist_ok=True)
     results = train_centralized_many([replace(base, dirichlet_alpha=a, seed=s) for a, s in pending])
-    for key, result in zip(pending, results):
+    for key, result in zip(pending, results, strict=True):
         path[key].write_text(json.dumps(result, indent=2))
     return {k: json.loads(path[k].read_text()) for k in keys}
 

@@ -42,7 +42,7 @@ def test_bounds_in_parallel_are_the_one_thread_bound():
     """Two bounds side by side, one torch thread each: the same curves as training each
     here at one thread."""
     configs = [SMALL, replace(SMALL, seed=1)]
-    parallel = train_centralized_many(configs, processes=2)
+    parallel = list(train_centralized_many(configs, processes=2))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -51,4 +51,4 @@ def test_bounds_in_parallel_are_the_one_thread_bound():
         torch.set_num_threads(threads)
     assert [r["curve"] for r in parallel] == [r["curve"] for r in here]
     assert parallel[0]["curve"] != parallel[1]["curve"]
-    assert train_centralized_many([]) == []
+    assert list(train_centralized_many([])) == []
