@@ -49,7 +49,7 @@ Quantisation (per tensor, over the values sent in that tensor)
 
 Wire format version 3 (current; what :func:`encode` writes)
 ----------------------------------------------------------
-Version 2's records (below) with two changes that make a top-k payload about a fifth
+Version 2's records (below) with two changes that make a top-k payload about 15 %
 smaller at 1.5 % density, losslessly (the same codes and indices as version 2):
 
 - index encoding ``3`` = **Rice**, chosen when it is the smallest of the three. The block
