@@ -157,7 +157,6 @@ import numpy as np
 __all__ = [
     "FORMAT",
     "MODES",
-    "SCOPES",
     "THRESHOLDS",
     "VERSION",
     "VERSIONS",
@@ -187,7 +186,6 @@ VERSION = 3  # what encode() writes
 VERSIONS = (1, 2, 3)  # what decode() reads
 MODES = ("int8", "int4", "sign")
 THRESHOLDS = ("exact", "sampled")
-SCOPES = ("model", "tensor")
 _MODE_CODE = {"int8": 1, "sign": 2, "int4": 3}
 _MODE_NAME = {v: k for k, v in _MODE_CODE.items()}
 INDEX_VARINT = 1
@@ -352,11 +350,6 @@ def warmup_ratio(ratio: float, server_round: int, warmup_rounds: int) -> float:
     return float(ratio ** (server_round / (warmup_rounds + 1)))
 
 
-def _count(ratio: float, n: int) -> int:
-    """Coordinates to send out of ``n`` at ``ratio``: at least one (none of nothing)."""
-    return min(n, max(1, int(round(ratio * n))))
-
-
 # --------------------------------------------------------------------------- sparse tensor
 
 
@@ -445,13 +438,6 @@ class ErrorFeedback:
     ``default_rng([seed, step])``, ``step`` counting calls to :meth:`compress` and saved in
     :meth:`state_dict`, so a restored site draws what it would have drawn.
 
-    ``scope="model"`` takes the top ``k`` over the whole model; ``"tensor"`` takes the top
-    ``max(1, round(ratio * n))`` of every array of ``n`` elements (DGC's layer-wise
-    selection), so every layer moves every round whatever the scale of its update. Under
-    GroupNorm a conv layer's function does not depend on its weights' scale, so the update
-    magnitudes of different layers are not comparable; over the whole model, the first conv
-    layer (12 % of FaultCNN's weights) took half the coordinates and the widest (48 %) 4 %.
-
     ``decay`` :math:`\gamma \in [0, 1]` scales the carried residual,
     :math:`u' = u + \gamma r` (1 = classic error feedback, nothing lost; 0 = plain top-k,
     no memory). Why less than 1 can help in federated learning: a site's update is the
@@ -463,14 +449,11 @@ class ErrorFeedback:
     have the same array names and shapes.
     """
 
-    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0, decay: float = 1.0,
-                 scope: str = "model") -> None:
+    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0, decay: float = 1.0) -> None:
         if mode not in MODES:
             raise ValueError(f"Invalid mode value: {mode!r} (expected one of {MODES})")
         if threshold not in THRESHOLDS:
             raise ValueError(f"Invalid threshold value: {threshold!r} (expected one of {THRESHOLDS})")
-        if scope not in SCOPES:
-            raise ValueError(f"Invalid scope value: {scope!r} (expected one of {SCOPES})")
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"Invalid seed value: {seed!r}")
         if isinstance(decay, bool) or not (isinstance(decay, (int, float, np.floating)) and 0 <= decay <= 1):
@@ -478,7 +461,6 @@ class ErrorFeedback:
         self.mode = mode
         self.decay = float(decay)
         self.threshold = threshold
-        self.scope = scope
         self.seed = int(seed)
         self._residuals: dict[str, np.ndarray] = {}
         self._step = 0
@@ -525,15 +507,13 @@ class ErrorFeedback:
         if not np.all(np.isfinite(flat)):
             raise ValueError("Invalid update: update + residual overflows float32")
 
+        k = min(total, max(1, int(round(ratio * total))))
         mag = np.abs(flat)
-        rng = np.random.default_rng([self.seed, self._step])
-        if self.scope == "model":
-            selected = self._select(mag, _count(ratio, total), rng)
+        if self.threshold == "exact":
+            selected = topk_indices(mag, k)
         else:
-            selected = np.concatenate([np.zeros(0, np.int64)] + [
-                lo + self._select(mag[lo:hi], _count(ratio, int(hi - lo)), rng)
-                for lo, hi in zip(offsets[:-1], offsets[1:])
-            ])
+            rng = np.random.default_rng([self.seed, self._step])
+            selected = sampled_topk_indices(mag, k, rng)
 
         out: dict[str, SparseTensor] = {}
         bounds = np.searchsorted(selected, offsets)
@@ -549,9 +529,6 @@ class ErrorFeedback:
         }
         self._step += 1
         return out
-
-    def _select(self, mag: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-        return topk_indices(mag, k) if self.threshold == "exact" else sampled_topk_indices(mag, k, rng)
 
     def residual_norm(self) -> float:
         """L2 norm of all residuals together (0 before the first compress)."""

@@ -69,7 +69,6 @@ class RunConfig:
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
     topk_quantization: str = "int4"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
     topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
-    topk_scope: str = "model"  # topk: model (top-k over all arrays) | tensor (top ratio of every array, DGC's layer-wise)
     topk_feedback: str = "residual"  # topk: residual (classic error feedback) | estimate (EF21: server keeps each site's update estimate)
     topk_residual_decay: float = 0.8  # topk, residual: share of the error-feedback residual carried to the next round
     topk_gain: float = 1.5  # topk, residual: the server scales each decoded sparse delta by this (not with estimate)
@@ -139,7 +138,6 @@ class RunConfig:
             "topk-ratio": 0 < self.topk_ratio <= 1,
             "topk-quantization": self.topk_quantization in ("int8", "int4", "sign"),
             "topk-threshold": self.topk_threshold in ("exact", "sampled"),
-            "topk-scope": self.topk_scope in ("model", "tensor"),
             "topk-feedback": self.topk_feedback in ("residual", "estimate"),
             "topk-residual-decay": 0 <= self.topk_residual_decay <= 1,
             "topk-gain": math.isfinite(self.topk_gain) and self.topk_gain > 0,

@@ -53,8 +53,7 @@ def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedb
             feedback.load_state_dict({"estimate": estimate, "step": int(context.state[FEEDBACK_STATE]["step"])})
         return feedback
     feedback = ErrorFeedback(
-        mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed, decay=config.topk_residual_decay,
-        scope=config.topk_scope,
+        mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed, decay=config.topk_residual_decay
     )
     if RESIDUALS in context.state:
         residuals = {k: v.numpy() for k, v in context.state[RESIDUALS].items()}
