@@ -791,8 +791,8 @@ def _decode_varint_indices(block: bytes, count: int, numel: int, where: str) -> 
 
 
 def _decode_rice_indices(block: bytes, count: int, numel: int, where: str) -> np.ndarray:
-    if not block:
-        raise PayloadError(f"{where}: empty Rice index block")
+    if not block or count == 0:  # an empty record has no index block at all
+        raise PayloadError(f"{where}: empty Rice index block or count 0")
     k = block[0]
     if k > _RICE_MAX_K:
         raise PayloadError(f"{where}: Rice parameter {k} > {_RICE_MAX_K}")
