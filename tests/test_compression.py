@@ -295,10 +295,10 @@ def read_varint(payload: bytes, pos: int) -> tuple[int, int]:
             return value, pos
 
 
-def parse_layout_v2(payload: bytes, names) -> list[tuple[str, int, int]]:
-    """An independent reader of the documented version-2 layout, given the array names:
-    (name, index encoding, index block length) per tensor that sends anything."""
-    assert payload[:4] == b"FIDZ" and payload[4] == 2
+def parse_layout_v2(payload: bytes, names, version: int = 2) -> list[tuple[str, int, int]]:
+    """An independent reader of the documented version-2 (or 3) layout, given the array
+    names: (name, index encoding, index block length) per tensor that sends anything."""
+    assert payload[:4] == b"FIDZ" and payload[4] == version
     mode = payload[5]
     pos, out = 10, []
     for name in sorted(names):
@@ -307,7 +307,11 @@ def parse_layout_v2(payload: bytes, names) -> list[tuple[str, int, int]]:
             continue
         _scale, enc = struct.unpack_from("<fB", payload, pos)
         ilen, pos = read_varint(payload, pos + 5)
-        pos += ilen + (count if mode == 1 else (count + 7) // 8)
+        pos += ilen
+        if version == 3 and mode != 2:  # low, width, then 1 + width bits per value
+            pos += 2 + (count * (1 + payload[pos + 1]) + 7) // 8
+        else:
+            pos += {1: count, 2: (count + 7) // 8, 3: (count + 1) // 2}[mode]
         out.append((name, enc, ilen))
     assert pos == len(payload)
     return out
@@ -1052,34 +1056,11 @@ def test_decode_rejects_every_v3_truncation(mode):
     rng = np.random.default_rng(13)
     update = model_update(rng)
     payload = encode(ErrorFeedback(mode=mode).compress(update, 0.02))
-    assert payload[4] == 3 and INDEX_RICE in {e for _, e, _ in parse_layout_v3(payload, update)}
+    assert payload[4] == 3 and INDEX_RICE in {e for _, e, _ in parse_layout_v2(payload, update, version=3)}
     decode(payload, expected_for(update))
     for cut in range(len(payload)):
         with pytest.raises(PayloadError, match="truncated payload|Rice|padding"):
             decode(payload[:cut], expected_for(update))
-
-
-def parse_layout_v3(payload: bytes, names) -> list[tuple[str, int, int]]:
-    """An independent reader of the documented version-3 layout, given the array names:
-    (name, index encoding, index block length) per tensor that sends anything."""
-    assert payload[:4] == b"FIDZ" and payload[4] == 3
-    mode = payload[5]
-    pos, out = 10, []
-    for name in sorted(names):
-        count, pos = read_varint(payload, pos)
-        if count == 0:
-            continue
-        _scale, enc = struct.unpack_from("<fB", payload, pos)
-        ilen, pos = read_varint(payload, pos + 5)
-        pos += ilen
-        if mode == 2:
-            pos += (count + 7) // 8
-        else:
-            _low, width = payload[pos], payload[pos + 1]
-            pos += 2 + (count * (1 + width) + 7) // 8
-        out.append((name, enc, ilen))
-    assert pos == len(payload)
-    return out
 
 
 # --------------------------------------------------------------------------- Flower record
