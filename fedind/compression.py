@@ -195,7 +195,6 @@ _INDEX_NAME = {INDEX_VARINT: "delta-varint", INDEX_BITMAP: "bitmap", INDEX_RICE:
 _INDEX_ENCODINGS = {1: (INDEX_VARINT, INDEX_BITMAP), 2: (INDEX_VARINT, INDEX_BITMAP), 3: tuple(_INDEX_NAME)}
 _RICE_MAX_K = 31
 _U32_MAX = 2**32 - 1
-_INT8_LEVELS = 127
 _LEVELS = {"int8": 127, "int4": 7}  # linear modes: codes in [-levels, levels]
 
 # The ConfigRecord that carries a payload (lead: candidates for fedind/wire.py).
@@ -716,12 +715,11 @@ def _encode_indices(indices: np.ndarray, numel: int, rice: bool = False) -> tupl
     deltas = _index_deltas(indices)
     varint_size = int(_varint_lengths(deltas).sum())
     bitmap_size = (numel + 7) // 8
-    rice = rice and indices.size > 0
-    gaps = deltas.astype(np.int64) - 1
-    if rice:
-        gaps[0] += 1  # the gap before the first index is idx[0] itself
-    k = _rice_parameter(gaps) if rice else 0
-    rice_size = 1 + (_rice_bits(gaps, k) + 7) // 8 if rice else math.inf
+    rice_size, gaps, k = math.inf, None, 0
+    if rice and indices.size:
+        gaps = np.diff(indices.astype(np.int64), prepend=-1) - 1  # idx[0], then idx[i] - idx[i-1] - 1
+        k = _rice_parameter(gaps)
+        rice_size = 1 + (_rice_bits(gaps, k) + 7) // 8
     if varint_size <= min(bitmap_size, rice_size):
         return INDEX_VARINT, _encode_varints(deltas)
     if bitmap_size <= rice_size:
@@ -1141,7 +1139,7 @@ def decode(payload: bytes, expected: Mapping) -> dict[str, np.ndarray]:
     if mode_code not in _MODE_NAME:
         raise PayloadError(f"unknown mode {mode_code} (known: {_MODE_NAME})")
     mode = _MODE_NAME[mode_code]
-    out = _decode_v1(r, spec, mode) if version == 1 else _decode_v2(r, spec, mode, version)
+    out = _decode_v1(r, spec, mode) if version == 1 else _decode_positional(r, spec, mode, version)
     if r.pos != len(r.data):
         raise PayloadError(f"{len(r.data) - r.pos} trailing bytes after the last tensor")
     missing = [n for n in spec if n not in out]
@@ -1150,7 +1148,7 @@ def decode(payload: bytes, expected: Mapping) -> dict[str, np.ndarray]:
     return {name: out[name] for name in spec}
 
 
-def _decode_v2(r: _Reader, spec: dict, mode: str, version: int) -> dict[str, np.ndarray]:
+def _decode_positional(r: _Reader, spec: dict, mode: str, version: int) -> dict[str, np.ndarray]:
     """Versions 2 and 3 (the same records; version 3 adds Rice indices and packed values)."""
     (fingerprint,) = r.unpack(_U32, "layout fingerprint")
     want = layout_fingerprint({name: shape for name, (shape, _) in spec.items()})
