@@ -9,7 +9,7 @@
     fedind keys paillier --out DIR [--bits B] [--passphrase-env VAR]   (fedind/keys.py)
 
 ``generate`` writes a synthetic federation (``fedind.data.federation``) in the site data
-format of DESIGN.md and prints the ``flwr run`` command that trains on it; ``check``
+format of docs/data-format.md and prints the ``flwr run`` command that trains on it; ``check``
 validates any folder in that format. Exit status: 0 on success, 2 for bad arguments or
 bad data (one message on stderr, no traceback), 1 when the file system refuses.
 """

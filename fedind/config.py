@@ -35,7 +35,7 @@ class RunConfig:
     learning_rate: float = 0.05  # site SGD learning rate at round 1 (cosine decay over the run)
     strategy: str = "fedavgm"  # one of STRATEGIES
     fraction_train: float = 1.0  # share of sites sampled per round
-    data_root: str = ""  # site data folder (DESIGN.md format); empty = synthetic sites
+    data_root: str = ""  # site data folder (format: docs/data-format.md); empty = synthetic sites
     num_sites: int = 10  # synthetic sites (ignored with data-root: the folder decides)
     dirichlet_alpha: float = 0.3  # label skew of synthetic sites (smaller = more skewed)
     samples_per_site: int = 240  # mean windows per synthetic site
@@ -74,6 +74,9 @@ class RunConfig:
     topk_gain: float = 1.5  # topk, residual: the server scales each decoded sparse delta by this (not with estimate)
     topk_estimate_decay: float = 1.0  # topk, estimate: share of the EF21 estimate carried to the next round (1 = EF21)
     topk_warmup_rounds: int = 3  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
+    downlink: str = "none"  # server -> site models: none (dense every round) | topk (sparse steps of a mirrored model; fedind.downlink)
+    downlink_ratio: float = 0.05  # downlink topk: share of coordinates of the model's change sent per round
+    downlink_quantization: str = "int8"  # downlink topk: int8 | int4 | sign
     encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.secure)
     paillier_public_key: str = ""  # paillier: the server's public key file ("": simulate() makes a throwaway pair)
     paillier_private_key: str = ""  # paillier: the sites' private key file, unless node config paillier-private-key
@@ -143,6 +146,9 @@ class RunConfig:
             "topk-gain": math.isfinite(self.topk_gain) and self.topk_gain > 0,
             "topk-estimate-decay": 0 <= self.topk_estimate_decay <= 1,
             "topk-warmup-rounds": self.topk_warmup_rounds >= 0,
+            "downlink": self.downlink in ("none", "topk"),
+            "downlink-ratio": 0 < self.downlink_ratio <= 1,
+            "downlink-quantization": self.downlink_quantization in ("int8", "int4", "sign"),
             "encryption": self.encryption in ENCRYPTIONS,
             "paillier-clip": math.isfinite(self.paillier_clip) and self.paillier_clip > 0,
             "paillier-key-bits": self.paillier_key_bits >= 512 and self.paillier_key_bits % 64 == 0,
@@ -242,6 +248,12 @@ class RunConfig:
             raise ConfigError(
                 f"Invalid run config strategy = {self.strategy!r}: {why}, and a robust aggregator needs "
                 f"every site's update; use fedavg, fedprox, fedavgm, fedadam or dwa"
+            )
+        if self.downlink != "none":
+            raise ConfigError(
+                f"Invalid run config downlink = {self.downlink!r}: with encryption = 'paillier' the sites "
+                f"send ciphertexts of their updates, which the compressed downlink cannot re-base yet; "
+                f"set downlink = 'none'"
             )
         if self.compression != "none":
             raise ConfigError(

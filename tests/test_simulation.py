@@ -203,7 +203,7 @@ def test_a_malformed_data_root_fails_before_round_1(good_root, tmp_path, breaker
 
 
 def test_same_seed_gives_a_bit_identical_model_on_cpu_alone_or_batched(tmp_path):
-    """DESIGN.md: deterministic on CPU for a seed (replies are aggregated in site order).
+    """docs/overview.md: deterministic on CPU for a seed (replies are aggregated in site order).
     ``simulate_many`` runs the same config twice in one simulation with the same result:
     top-k keeps error-feedback residuals in the sites' ``context.state``, and the second
     run starts without the first's (``run_scope_mod``)."""

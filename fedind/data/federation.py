@@ -112,7 +112,7 @@ def make_global_test(spec: FederationSpec) -> SiteArrays:
 
 
 def write_federation(spec: FederationSpec, out: str | Path) -> Path:
-    """Write the federation in the site data format (DESIGN.md) under ``out``."""
+    """Write the federation in the site data format (docs/data-format.md) under ``out``."""
     out = Path(out)
     for index, site in enumerate(site_ids(spec.num_sites)):
         train, test = make_site(spec, index)
