@@ -29,6 +29,7 @@ from .continual_app import (
 )
 from .data.format import DataFormatError
 from .data.sources import SiteData, site_from_dir, site_from_partition
+from .downlink import downlink_mod
 from .ewc import diagonal_fisher
 from .models import FaultCNN
 from .training import cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts
@@ -207,7 +208,8 @@ def site_app(*inner_mods, transport=topk_mod) -> ClientApp:
     another uplink (``simulations/compression_trials.py``)."""
     # state_mod first (outermost): it saves context.state after the inner mods wrote to it;
     # run_scope_mod next: it sees the restored state.
-    site = ClientApp(mods=[state_mod, run_scope_mod, transport, paillier_mod, *inner_mods])
+    # downlink_mod before the transport: the top-k delta is taken from the rebuilt model.
+    site = ClientApp(mods=[state_mod, run_scope_mod, downlink_mod, transport, paillier_mod, *inner_mods])
     site.train()(train)
     site.evaluate()(evaluate_global)
     site.query("phase_end")(phase_end)

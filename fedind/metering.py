@@ -94,16 +94,23 @@ class MeteredGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
+        # The transform and the screen see each instruction as the strategy made it (dense
+        # global arrays), whatever prepare() put on the wire in its place.
+        originals = {message.metadata.dst_node_id: message for message in messages}
         if self._transform is not None:
-            messages = [self._transform.prepare(message) for message in messages]
+            messages = [self._transform.prepare(_copy(message)) for message in messages]
         for message in messages:
             self._traffic.downlink_bytes += payload_bytes(message.content)
         self._traffic.messages_sent += len(messages)
-        instructions = {message.metadata.dst_node_id: message for message in messages}
+        instructions = originals
         received = list(self._grid.send_and_receive(messages, timeout=timeout))
         # The grid stamps the message ids when it pushes, inside send_and_receive: only now
         # can replies be matched by id.
-        by_id = {message.metadata.message_id: message for message in messages if message.metadata.message_id}
+        by_id = {
+            message.metadata.message_id: originals[message.metadata.dst_node_id]
+            for message in messages
+            if message.metadata.message_id
+        }
         replies, answered = [], set()
         for reply in received:
             # Match by message id (the grid stamps it when pushing): an error reply Flower
@@ -127,7 +134,7 @@ class MeteredGrid(Grid):
                 self._traffic.failures.append(f"node {node}: {reply.error.reason}")
             else:
                 self._traffic.replies.append(_describe(reply))
-        for message in messages:
+        for message in originals.values():
             if id(message) not in answered:
                 self._traffic.failures.append(f"node {message.metadata.dst_node_id}: no reply (timeout)")
         # Arrival order is random; aggregating float32 in a fixed (site) order keeps runs
@@ -156,6 +163,14 @@ class MeteredGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return self._grid.pull_messages(message_ids)
+
+
+def _copy(message: Message) -> Message:
+    """A message with the same metadata and a shallow copy of the content, for prepare()
+    to rewrite (strategies share one RecordDict between the round's messages)."""
+    copy = Message(RecordDict(dict(message.content.items())), dst_node_id=message.metadata.dst_node_id,
+                   message_type=message.metadata.message_type, group_id=message.metadata.group_id, ttl=message.metadata.ttl)
+    return copy
 
 
 def site_id_of(reply: Message) -> str:

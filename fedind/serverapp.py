@@ -34,6 +34,7 @@ from .rounds import run_rounds
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .training import evaluate, pick_device
 from .secure import encrypted_server
+from .downlink import CompressedDownlink
 from .transport import EstimateUplink, densify_reply
 
 app = ServerApp()
@@ -93,6 +94,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         ef21 = config.compression == "topk" and config.topk_feedback == "estimate"
         transform = (EstimateUplink(config.topk_estimate_decay) if ef21
                      else PerReply(functools.partial(densify_reply, gain=config.topk_gain)))
+        if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
+            transform = CompressedDownlink(transform, config.downlink_ratio, config.downlink_quantization)
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")

@@ -50,3 +50,9 @@ REFIT_FROM = "refit-from"  # key of the same-named ConfigRecord in a train messa
 REPLAY_SAMPLES = "replay-samples"  # MetricRecord key: windows in the site's replay buffer
 REPLAY_BYTES = "replay-bytes"  # MetricRecord key: bytes the site's replay buffer holds (ReplayBuffer.nbytes)
 WINDOWS_SEEN = "windows-seen"  # MetricRecord key: windows the site has had (earlier phases offered + this batch)
+
+# Compressed downlink (fedind.downlink)
+DOWNLINK = "downlink"  # ConfigRecord, server -> site: {"token": digest of the model it is sent, "base"?, "cached:<record>"...}
+DOWNLINK_BASE = "base"  # its key: the digest of the model the sparse step applies to
+DOWNLINK_STEP = "downlink-step"  # ConfigRecord, server -> site: the sparse step of the broadcast model (fedind.compression payload)
+CACHED_RECORD = "cached:"  # key prefix in DOWNLINK: an array record left out because the site holds it (value: its digest)

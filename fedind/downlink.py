@@ -1,0 +1,234 @@
+"""The compressed downlink: the server sends each site the sparse change of a shared model,
+and nothing the site already holds.
+
+Every site mirrors one *broadcast model* ``P``. Each round the server moves it toward the
+strategy's global model ``G`` by the top-k, quantised part of the gap::
+
+    s_t = Q(top_k(G_t - P_{t-1}))      P_t = P_{t-1} + s_t      (the same float32 sum at both ends)
+
+What is not sent stays in ``G_t - P_t`` and goes out in a later round: error feedback with
+the residual kept implicitly (DoubleSqueeze, Tang et al. 2019). A site that holds
+``P_{t-1}`` (the server knows it from the site's last successful reply) receives ``s_t``
+only; any other site (new, back after missing rounds, restarted without its state, or after
+the head grew) receives the whole ``P_t``. The sites train from ``P_t``; their updates are
+deltas, which the server adds to ``G_t``, so the strategy steps from its own model as usual.
+
+Other array records of a train message that a site already holds (the EWC Fisher and
+anchors, unchanged for a whole phase) are replaced by their digest; the site restores them
+from its copy. A site whose copy does not match a digest answers with an error reply
+(:data:`STALE_DOWNLINK`) and gets everything whole next round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
+
+from . import wire
+from .compression import ErrorFeedback, PayloadError, decode, encode, expected_of, from_record, to_record
+from .config import RunConfig
+
+STALE_DOWNLINK = 1004  # Error code of a site reply: it does not hold the base a message refers to
+BROADCAST = "downlink-model"  # context.state ArrayRecord: the site's copy of the broadcast model P
+HELD = "downlink-held"  # context.state ConfigRecord: digest of each record the site holds, by name
+CACHED_PREFIX = "downlink-cache:"  # context.state ArrayRecord per cached record name
+
+
+def digest(arrays: Mapping[str, np.ndarray]) -> str:
+    """A short content digest of named arrays (names, shapes, dtypes and bytes, in order)."""
+    h = hashlib.sha256()
+    for name, array in arrays.items():
+        a = np.ascontiguousarray(array)
+        h.update(f"{name}|{a.dtype.str}|{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:24]
+
+
+def step_toward(
+    held: Mapping[str, np.ndarray], target: Mapping[str, np.ndarray], ratio: float, mode: str
+) -> tuple[bytes, dict[str, np.ndarray]]:
+    """The payload of ``Q(top_k(target - held))`` and the model ``held + decoded payload``
+    that a site holding ``held`` rebuilds from it (:func:`apply_step`)."""
+    gap = {name: np.asarray(target[name], np.float32) - np.asarray(held[name], np.float32) for name in target}
+    payload = encode(ErrorFeedback(mode=mode, decay=0.0).compress(gap, ratio))
+    return payload, apply_step(held, payload)
+
+
+def apply_step(held: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.ndarray]:
+    """``held`` plus the decoded sparse ``payload`` (PayloadError if it does not fit ``held``)."""
+    change = decode(payload, expected_of(held))
+    return {name: (np.asarray(base, np.float32) + change[name]).astype(np.float32) for name, base in held.items()}
+
+
+def _numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {name: array.numpy() for name, array in record.items()}
+
+
+def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in arrays.items()})
+
+
+def _is_float_model(arrays: Mapping[str, np.ndarray]) -> bool:
+    return all(np.issubdtype(np.asarray(a).dtype, np.floating) for a in arrays.values())
+
+
+class CompressedDownlink:
+    """Server side, as :class:`~fedind.metering.MeteredGrid`'s transform around ``inner``
+    (the uplink decoder). ``prepare`` rewrites each outgoing train message; ``__call__``
+    hands the reply to ``inner`` and re-bases dense replies (trained from ``P_t``) onto
+    ``G_t``; ``settle`` learns which sites now hold what.
+
+    Not in the server checkpoint: after a resume every site gets the whole model once.
+    """
+
+    def __init__(self, inner, ratio: float, mode: str = "int8") -> None:
+        if not 0 < ratio <= 1:
+            raise ValueError(f"Invalid downlink ratio {ratio!r}: expected 0 < ratio <= 1")
+        self.inner = inner
+        self.ratio = float(ratio)
+        self.mode = mode
+        self.broadcast: dict[str, np.ndarray] | None = None  # P_t
+        self.held: dict[int, dict[str, str]] = {}  # node -> {record name: digest} it holds
+        self._round_key: tuple | None = None  # (server round, id of the global ArrayRecord) P_t was made for
+        self._gap: dict[str, np.ndarray] = {}  # G_t - P_t
+        self._step: tuple[str, bytes | None, str] | None = None  # (base digest, payload, new digest)
+        self._sent: dict[int, dict[str, str]] = {}  # node -> what this round's message gives it
+        self._rebase: dict[int, dict[str, np.ndarray]] = {}  # node -> G_t - P_t for dense replies
+        self._answered: set[int] = set()  # nodes whose site answered this round's message
+
+    # -------------------------------------------------------------- outgoing
+    def prepare(self, message: Message) -> Message:
+        message = self.inner.prepare(message)
+        if message.metadata.message_type != MessageType.TRAIN or wire.ARRAYS not in message.content.array_records:
+            return message
+        node = message.metadata.dst_node_id
+        global_record = message.content[wire.ARRAYS]
+        key = (message.content.config_records.get(wire.CONFIG, {}).get(wire.SERVER_ROUND), id(global_record))
+        if self._round_key != key:  # first message of a round: move P once
+            self._advance(_numpy(global_record))
+            self._round_key = key
+        base, payload, new = self._step
+        holds = self.held.get(node, {})
+        content = RecordDict({k: v for k, v in message.content.items() if k != wire.ARRAYS})
+        downlink = {wire.TOKEN: new}
+        if payload is not None and holds.get(wire.ARRAYS) == base:
+            downlink[wire.DOWNLINK_BASE] = base
+            content[wire.DOWNLINK_STEP] = to_record(payload)
+        else:
+            content[wire.ARRAYS] = _record(self.broadcast)
+        sent = {wire.ARRAYS: new}
+        for name, record in message.content.array_records.items():  # records the site may hold already
+            if name == wire.ARRAYS:
+                continue
+            token = digest(_numpy(record))
+            sent[name] = token
+            if holds.get(name) == token:
+                del content[name]
+                downlink[f"{wire.CACHED_RECORD}{name}"] = token
+        content[wire.DOWNLINK] = ConfigRecord(downlink)
+        self._sent[node] = sent
+        self._rebase[node] = self._gap
+        message.content = content
+        return message
+
+    def _advance(self, target: dict[str, np.ndarray]) -> None:
+        """P_{t-1} -> P_t toward ``target`` (G_t); whole when the layout changed."""
+        previous = self.broadcast
+        same_layout = previous is not None and {k: v.shape for k, v in previous.items()} == {
+            k: v.shape for k, v in target.items()
+        }
+        if same_layout and _is_float_model(target) and self.ratio < 1:
+            base = digest(previous)
+            try:
+                payload, self.broadcast = step_toward(previous, target, self.ratio, self.mode)
+            except ValueError:  # a non-finite gap: send the model whole
+                payload, self.broadcast = None, {k: np.array(v, copy=True) for k, v in target.items()}
+            self._step = (base, payload, digest(self.broadcast))
+        else:
+            self.broadcast = {k: np.array(v, copy=True) for k, v in target.items()}
+            self._step = ("", None, digest(self.broadcast))
+        self._gap = {k: (target[k].astype(np.float32) - self.broadcast[k]) for k in target if target[k].dtype.kind == "f"}
+
+    # -------------------------------------------------------------- replies
+    def __call__(self, instruction: Message, reply: Message) -> Message:
+        node = instruction.metadata.dst_node_id
+        if node in self._sent:  # the site answered, so it rebuilt and keeps what it was sent
+            self._answered.add(node)
+        dense = not reply.has_error() and wire.ARRAYS in reply.content.array_records
+        reply = self.inner(instruction, reply)  # a sparse reply becomes G_t + delta here
+        gap = self._rebase.get(node)
+        if not dense or reply.has_error() or gap is None:
+            return reply
+        # A dense reply holds P_t + delta (the site trained from P_t); the strategy expects G_t + delta.
+        weights = _numpy(reply.content[wire.ARRAYS])
+        rebased = {k: (w + gap[k]).astype(w.dtype) if k in gap else w for k, w in weights.items()}
+        content = RecordDict(dict(reply.content.items()))
+        content[wire.ARRAYS] = _record(rebased)
+        return Message(content, reply_to=instruction)
+
+    def settle(self, accepted: set[int]) -> None:
+        """Sites that answered (even if the screen then rejected their update) hold what
+        they were sent; the others (an error reply, a time-out) get everything whole next time."""
+        self.inner.settle(accepted)
+        for node, sent in self._sent.items():
+            if node in self._answered:
+                self.held[node] = sent
+            else:
+                self.held.pop(node, None)
+        self._sent, self._rebase, self._answered = {}, {}, set()
+
+
+# ------------------------------------------------------------------ site side
+def downlink_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """Flower client mod: rebuild a compressed train message (the broadcast model from the
+    site's copy plus the sparse step; cached records from the site's copies) before the
+    site agent sees it, and keep the copies in ``context.state``."""
+    if msg.metadata.message_type != MessageType.TRAIN or wire.DOWNLINK not in msg.content.config_records:
+        return call_next(msg, context)
+    try:
+        msg = _rebuild(msg, context)
+    except (PayloadError, StaleDownlink) as err:
+        context.state.pop(BROADCAST, None)
+        return Message(Error(code=STALE_DOWNLINK, reason=f"downlink: {err}; the server sends it whole next round"), reply_to=msg)
+    return call_next(msg, context)
+
+
+class StaleDownlink(ValueError):
+    """The message refers to a copy the site does not hold."""
+
+
+def _rebuild(msg: Message, context: Context) -> Message:
+    downlink = msg.content.config_records[wire.DOWNLINK]
+    token = str(downlink[wire.TOKEN])
+    content = RecordDict({k: v for k, v in msg.content.items() if k not in (wire.DOWNLINK, wire.DOWNLINK_STEP)})
+    held_tokens = dict(context.state.config_records.get(HELD, ConfigRecord({})))
+    if wire.DOWNLINK_BASE in downlink:
+        base = str(downlink[wire.DOWNLINK_BASE])
+        if BROADCAST not in context.state.array_records or held_tokens.get(wire.ARRAYS) != base:
+            raise StaleDownlink(f"holds model {held_tokens.get(wire.ARRAYS)!r}, the step is from {base!r}")
+        model = apply_step(_numpy(context.state[BROADCAST]), from_record(msg.content[wire.DOWNLINK_STEP]))
+        content[wire.ARRAYS] = _record(model)
+    else:
+        model = _numpy(msg.content[wire.ARRAYS])
+    if digest(model) != token:
+        raise StaleDownlink(f"rebuilt model {digest(model)!r} != {token!r}")
+    context.state[BROADCAST] = _record(model)
+    held_tokens[wire.ARRAYS] = token
+    for key, value in downlink.items():
+        if not key.startswith(wire.CACHED_RECORD):
+            continue
+        name = key[len(wire.CACHED_RECORD):]
+        cached = context.state.array_records.get(CACHED_PREFIX + name)
+        if cached is None or held_tokens.get(name) != value:
+            raise StaleDownlink(f"holds no copy {value!r} of {name!r}")
+        content[name] = cached
+    for name, record in msg.content.array_records.items():  # keep copies of what came whole
+        if name != wire.ARRAYS:
+            context.state[CACHED_PREFIX + name] = record
+            held_tokens[name] = digest(_numpy(record))
+    context.state[HELD] = ConfigRecord(held_tokens)
+    msg.content = content  # same metadata: the reply still answers this message
+    return msg
