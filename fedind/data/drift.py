@@ -104,19 +104,20 @@ def phase_regimes(drift: DriftSpec, phase: int) -> tuple[Regime, ...]:
 
 
 @functools.lru_cache(maxsize=8)
-def phase_label_sets(drift: DriftSpec, phase: int) -> tuple[np.ndarray, ...]:
-    """Labels (train + local test) of every line in ``phase``."""
+def phase_label_sets(drift: DriftSpec, phase: int, num_classes: int = NUM_CLASSES) -> tuple[np.ndarray, ...]:
+    """Labels (train + local test) of every line in ``phase`` (``num_classes``: of the data
+    family, the bearing family's by default)."""
     _check_phase(drift, phase)
     spec = drift.federation
     if phase > 0:  # a new Dirichlet split of the same pool
         seed = int(np.random.SeedSequence([spec.seed, 13, phase]).generate_state(1)[0])
         spec = replace(spec, seed=seed)
-    known = NUM_CLASSES - drift.held_out
-    labels = [np.asarray(y[y < known], dtype=np.int64) for y in site_label_sets(spec)]
+    known = num_classes - drift.held_out
+    labels = [np.asarray(y[y < known], dtype=np.int64) for y in site_label_sets(spec, num_classes)]
     source = new_class_site(drift)
     if phase > 0 and source is not None:
         per_class = max(8, int(round(labels[source].size / known)))
-        extra = np.repeat(np.arange(known, NUM_CLASSES), per_class)
+        extra = np.repeat(np.arange(known, num_classes), per_class)
         labels[source] = np.concatenate([labels[source], extra])
     return tuple(labels)
 

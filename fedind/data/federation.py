@@ -63,18 +63,19 @@ def site_regimes(spec: FederationSpec) -> list[Regime]:
 
 
 @functools.lru_cache(maxsize=8)
-def site_label_sets(spec: FederationSpec) -> tuple[np.ndarray, ...]:
-    """Labels of every site (train + local test), split by Dirichlet(alpha) per class."""
+def site_label_sets(spec: FederationSpec, num_classes: int = NUM_CLASSES) -> tuple[np.ndarray, ...]:
+    """Labels of every site (train + local test), split by Dirichlet(alpha) per class
+    (``num_classes``: of the data family, the bearing family's by default)."""
     from datasets import Dataset
     from flwr_datasets.partitioner import DirichletPartitioner
 
-    per_class = spec.num_sites * spec.samples_per_site // NUM_CLASSES
-    pool = Dataset.from_dict({"label": np.repeat(np.arange(NUM_CLASSES), per_class)})
+    per_class = spec.num_sites * spec.samples_per_site // num_classes
+    pool = Dataset.from_dict({"label": np.repeat(np.arange(num_classes), per_class)})
     partitioner = DirichletPartitioner(
         num_partitions=spec.num_sites,
         partition_by="label",
         alpha=spec.alpha,
-        min_partition_size=max(1, min(20, per_class * NUM_CLASSES // (2 * spec.num_sites))),
+        min_partition_size=max(1, min(20, per_class * num_classes // (2 * spec.num_sites))),
         self_balancing=False,
         seed=spec.seed,
     )
