@@ -8,6 +8,7 @@ or ``partition-id`` / ``num-partitions`` (simulation).
 
 from __future__ import annotations
 
+import resource
 import time
 import zlib
 
@@ -138,6 +139,7 @@ def train(msg: Message, context: Context) -> Message:
             wire.LOCAL_ACCURACY: before.accuracy,
             wire.LOCAL_LOSS: before.loss,
             wire.TRAIN_SECONDS: time.process_time() - started,
+            wire.PEAK_RSS_MB: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
     )
     if config.phases > 1:
@@ -201,15 +203,16 @@ def phase_end(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
-def site_app(*inner_mods, transport=topk_mod) -> ClientApp:
+def site_app(*inner_mods, transport=topk_mod, outer_mods=()) -> ClientApp:
     """fedind's site agent. ``inner_mods`` go innermost, after the transport (top-k) and
     Paillier mods, so they see the dense trained weights: how a benchmark puts an attacker
     or a recorder into a site. ``transport`` replaces the top-k mod: how a benchmark tries
-    another uplink (``simulations/compression_trials.py``)."""
+    another uplink (``simulations/compression_trials.py``). ``outer_mods`` go outermost, before
+    the site's state is restored: how a benchmark takes a line off the network for some rounds."""
     # state_mod first (outermost): it saves context.state after the inner mods wrote to it;
     # run_scope_mod next: it sees the restored state.
     # downlink_mod before the transport: the top-k delta is taken from the rebuilt model.
-    site = ClientApp(mods=[state_mod, run_scope_mod, downlink_mod, transport, paillier_mod, *inner_mods])
+    site = ClientApp(mods=[*outer_mods, state_mod, run_scope_mod, downlink_mod, transport, paillier_mod, *inner_mods])
     site.train()(train)
     site.evaluate()(evaluate_global)
     site.query("phase_end")(phase_end)

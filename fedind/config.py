@@ -18,7 +18,12 @@ from .data.federation import FederationSpec
 from .data.synthetic import NUM_CLASSES
 from .replay import POLICIES as REPLAY_POLICIES
 
-STRATEGIES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "trimmedavgm", "dwa")
+# "fedind" is the recipe's server: DWA weights and the conflict momentum buffer (fedind.strategy.DWA),
+# the same strategy as "dwa", named for the recipe it is the default of.
+STRATEGIES = (
+    "fedind", "fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "trimmedavgm", "dwa"
+)
+DWA_STRATEGIES = ("fedind", "dwa")
 COMPRESSIONS = ("none", "topk")
 ENCRYPTIONS = ("none", "paillier")
 
@@ -260,12 +265,12 @@ class RunConfig:
                 f"Invalid run config compression = {self.compression!r}: {why}, and top-k updates of "
                 f"different sites cover different coordinates; set compression = 'none'"
             )
-        if self.strategy == "dwa" and self.conflict_buffer and self.dwa_momentum == 0:
+        if self.strategy in DWA_STRATEGIES and self.conflict_buffer and self.dwa_momentum == 0:
             raise ConfigError(
                 f"Invalid run config conflict-buffer = true (with dwa-momentum = 0): {why}, so the "
                 f"per-site sign conflicts it needs are hidden; set conflict-buffer = false or dwa-momentum > 0"
             )
-        if self.strategy == "dwa" and self.conflict_buffer and self.conflict_damping < 1:
+        if self.strategy in DWA_STRATEGIES and self.conflict_buffer and self.conflict_damping < 1:
             raise ConfigError(
                 f"Invalid run config conflict-damping = {self.conflict_damping!r}: {why}, so the per-site "
                 f"sign agreement it needs is hidden; set conflict-damping = 1.0"

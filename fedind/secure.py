@@ -40,7 +40,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from . import wire
 from .aggregation import GlobalHistogram, dwa_weights
-from .config import ConfigError, RunConfig
+from .config import DWA_STRATEGIES, ConfigError, RunConfig
 from .crypto import (
     MAX_SITES,
     CiphertextError,
@@ -422,7 +422,7 @@ def encrypted_server(
         )
     dwa = None
     inner_config = config
-    if config.strategy == "dwa" and config.dwa_weighting:
+    if config.strategy in DWA_STRATEGIES and config.dwa_weighting:
         dwa = {"temperature": config.dwa_temperature, "floor": config.dwa_floor}
         inner_config = replace(config, dwa_weighting=False)  # it sees one reply: weights here
     inner = build_strategy(inner_config, num_sites, num_classes)

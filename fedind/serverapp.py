@@ -145,6 +145,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             for reply in traffic.replies:
                 site_cpu["site_train_cpu_seconds"] += float(reply.metrics.get(wire.TRAIN_SECONDS, 0.0))
                 site_cpu["site_compress_cpu_seconds"] += float(reply.metrics.get(wire.COMPRESS_SECONDS, 0.0))
+                peak = float(reply.metrics.get(wire.PEAK_RSS_MB, 0.0))
+                site_cpu["site_peak_rss_mb"] = max(site_cpu.get("site_peak_rss_mb", 0.0), peak)
             recorder.add(row)
             monitor.record_round(row)
             log(

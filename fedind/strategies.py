@@ -9,7 +9,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, Krum, Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from .config import RunConfig
+from .config import DWA_STRATEGIES, RunConfig
 from .expansion import pad_head_rows, zero_head_rows
 from .strategy import DWA
 
@@ -67,7 +67,7 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
         return TrimmedFedAvgM(beta=config.trimmed_beta, **server_step, **common)
     if config.strategy == "krum":
         return Krum(num_malicious_nodes=config.krum_malicious, **common)
-    if config.strategy == "dwa":
+    if config.strategy in DWA_STRATEGIES:
         return DWA(
             weighting=config.dwa_weighting,
             temperature=config.dwa_temperature,

@@ -22,6 +22,7 @@ LABEL_HISTOGRAM = "label-histogram"  # list[int], one count per class of the glo
 LOCAL_ACCURACY = "local-accuracy"  # received global model on the site's own test split
 LOCAL_LOSS = "local-loss"
 TRAIN_SECONDS = "train-seconds"  # CPU seconds of local training
+PEAK_RSS_MB = "peak-rss-mb"  # peak resident memory of the site agent's process, MiB
 COMPRESS_SECONDS = "compress-seconds"  # CPU seconds of sparsifying + encoding the update
 ENCRYPT_SECONDS = "encrypt-seconds"  # seconds the site waited after training to encrypt its update
 CLIPPED_VALUES = "clipped-values"  # update values clipped to [-paillier-clip, paillier-clip] before encryption
