@@ -318,6 +318,31 @@ class RunConfig:
         )
 
 
+# The recipe: what ``flwr run .`` runs (pyproject.toml declares ``RunConfig(**RECIPE)``),
+# the mission's parts together on a two-phase plant scenario. RunConfig's own defaults are
+# the plain baseline (Flower's FedAvgM, dense, one phase) that tests and ablations start from.
+# Each part and the measurement that keeps it: docs/recipe.md (python simulations/plant.py).
+RECIPE: dict[str, Any] = {
+    "strategy": "fedind",  # DWA weights + the conflict momentum buffer
+    "dwa_momentum": 0.97,
+    "compression": "topk",  # error-feedback top-k uplink
+    "topk_ratio": 0.02,
+    "topk_gain": 2.0,
+    "downlink": "topk",  # sparse steps of a mirrored model; whole models to sites that missed rounds
+    "replay_samples": 256,  # bounded replay buffer (replay-share caps it at 10 % of a line's windows)
+    "ewc_lambda": 1.0,  # EWC consolidation at phase ends
+    # the plant scenario: two phases, half the lines change speed, a new fault class at one line
+    "phases": 2,
+    "phase_rounds": 20,
+    "num_server_rounds": 40,
+}
+
+
+def recipe(**overrides: Any) -> RunConfig:
+    """The recipe's run config, with ``overrides`` (snake_case field names)."""
+    return RunConfig(**{**RECIPE, **overrides})
+
+
 def _coerce(key: str, value: Any, kind: type) -> Any:
     # TOML gives int for "1" where a float is meant; never silently turn text into numbers.
     if kind is float and isinstance(value, int) and not isinstance(value, bool):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fedind.config import ConfigError, RunConfig
+from fedind.config import RECIPE, ConfigError, RunConfig, recipe
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -15,8 +15,14 @@ def pyproject_config() -> dict:
         return tomllib.load(f)["tool"]["flwr"]["app"]["config"]
 
 
-def test_pyproject_declares_every_key_with_the_dataclass_default():
-    assert pyproject_config() == RunConfig().to_flower()
+def test_pyproject_declares_every_key_with_the_recipe_value():
+    assert pyproject_config() == recipe().to_flower()
+
+
+def test_the_recipe_only_changes_keys_that_exist():
+    plain = RunConfig().to_flower()
+    assert {k.replace("_", "-") for k in RECIPE} <= set(plain)
+    assert all(recipe().to_flower()[k.replace("_", "-")] != plain[k.replace("_", "-")] for k in RECIPE)
 
 
 def test_round_trip_through_flower_keys():

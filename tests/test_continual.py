@@ -83,12 +83,14 @@ def test_invalid_continual_config_names_the_key(values, key):
         RunConfig.from_flower({"num-server-rounds": 20, **values})
 
 
-def test_every_continual_key_is_in_pyproject_with_its_default():
+def test_every_continual_key_is_in_pyproject_with_the_recipe_value():
     import tomllib
+
+    from fedind.config import recipe
 
     with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
         table = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
-    defaults = RunConfig().to_flower()
+    defaults = recipe().to_flower()
     for key in ("phases", "phase-rounds", "drift-regime-share", "drift-new-classes", "drift-speed-factor", "replay-samples",
                 "replay-bytes", "replay-share", "replay-ratio", "replay-policy", "ewc-lambda", "ewc-gamma",
                 "ewc-server-lambda"):

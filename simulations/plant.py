@@ -1,0 +1,249 @@
+"""Plant benchmark: fedind's recipe against Flower's built-in strategies, and each part's ablation.
+
+One scenario holds what a plant has at once (``SCENARIO`` over the pyproject defaults):
+10 lines with strongly Non-IID labels (Dirichlet ``--alphas``) and their own regimes; two
+phases, where half the lines change speed (regime drift) and a new fault class appears at
+one line; one line off the network for ``ABSENT_ROUNDS``; every byte on the wire counted.
+
+Variants (``VARIANTS``; the recipe is the pyproject defaults, ``strategy = "fedind"``):
+- Flower's FedAvg, FedAvgM, FedProx, FedAdam, FedMedian, FedTrimmedAvg: dense both ways, no
+  replay, no EWC (federated fine-tuning);
+- each fedind part alone on top of FedAvgM (``FedAvgM+<part>``);
+- the recipe, and the recipe without each part (``recipe-<part>``).
+
+Per variant and seed: final global accuracy (test sets of every phase so far), the worst
+line's accuracy (each line scores the final model on its own test split), rounds to
+``target-accuracy``, uplink MB to the target and in total, downlink MB, forgetting of phase
+0, recall of the new class (mean of the last 5 rounds), the sites' CPU seconds and their peak
+memory. Means over seeds with the spread, per-seed rows in results.json.
+
+    python simulations/plant.py --alphas 0.1 0.3 --seeds 5 6 7 8 9            # the evidence
+    python simulations/plant.py --alphas 0.1 --seeds 0 --variants FedAvgM recipe  # a quick look
+    python simulations/plant.py --data-root data/gearbox                        # another data family
+
+Extra ``key=value`` arguments override the run config of every run. Writes
+OUT/{results.json,table.md,config.json,plant.png}; runs go to OUT/runs/<variant>-a<alpha>-s<seed>
+and finished runs are reused, so an interrupted benchmark resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from flwr.app import Context, Error, Message, MessageType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from simulations.common import finished, parse_overrides, pyproject_run_config  # noqa: E402
+
+from fedind import wire  # noqa: E402
+from fedind.clientapp import site_app  # noqa: E402
+from fedind.config import RunConfig  # noqa: E402
+from fedind.simulation import simulate_many  # noqa: E402
+
+SCENARIO = {"num-sites": 10}  # the rest (phases, drift, rounds) is the default run's: pyproject
+ABSENT_SITE = 3  # partition id of the line that goes off the network...
+ABSENT_ROUNDS = range(8, 15)  # ...for these rounds (phase 0, before the target is usually reached)
+
+DENSE = {"compression": "none", "downlink": "none", "replay_samples": 0, "ewc_lambda": 0.0}
+BUILTINS = {
+    "FedAvg": {"strategy": "fedavg", **DENSE},
+    "FedAvgM": {"strategy": "fedavgm", **DENSE},
+    "FedProx": {"strategy": "fedprox", **DENSE},
+    "FedAdam": {"strategy": "fedadam", **DENSE},
+    "FedMedian": {"strategy": "fedmedian", **DENSE},
+    "FedTrimmedAvg": {"strategy": "fedtrimmedavg", **DENSE},
+}
+# A part removed from the recipe, and the same part added to dense FedAvgM fine-tuning.
+PARTS = {
+    "DWA": ({"strategy": "fedavgm"}, {"strategy": "fedind", "conflict_buffer": False}),
+    "conflict": ({"conflict_buffer": False}, {"strategy": "fedind", "dwa_weighting": False}),
+    "topk": ({"compression": "none"}, {"compression": "topk"}),
+    "downlink": ({"downlink": "none"}, {"downlink": "topk"}),
+    "replay": ({"replay_samples": 0}, {"replay_samples": None}),  # None: the recipe's value
+    "EWC": ({"ewc_lambda": 0.0}, {"ewc_lambda": None}),
+    "screen": ({"alignment_threshold": -1.0}, {}),  # the screen is on in every variant but this
+}
+VARIANTS: dict[str, dict] = {
+    **BUILTINS,
+    **{f"FedAvgM+{part}": {**BUILTINS["FedAvgM"], **add} for part, (_, add) in PARTS.items() if add},
+    "recipe": {},
+    **{f"recipe-{part}": remove for part, (remove, _) in PARTS.items()},
+}
+
+
+def variant_config(base: RunConfig, name: str, alpha: float, seed: int, out: Path) -> RunConfig:
+    overrides = {k: getattr(base, k) if v is None else v for k, v in VARIANTS[name].items()}
+    return replace(
+        base, **overrides, dirichlet_alpha=alpha, seed=seed, run_dir=str(out / "runs"),
+        run_name=f"{name}-a{alpha:g}-s{seed}", checkpoint_interval=0,
+    )
+
+
+def absent_mod(msg: Message, context: Context, call_next) -> Message:
+    """The line of partition ``ABSENT_SITE`` is off the network in ``ABSENT_ROUNDS``: its
+    train messages fail as a dropped connection would (the server gets no update)."""
+    if msg.metadata.message_type == MessageType.TRAIN and int(context.node_config.get("partition-id", -1)) == ABSENT_SITE:
+        server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
+        if server_round in ABSENT_ROUNDS:
+            return Message(Error(code=503, reason=f"line off the network in round {server_round}"), reply_to=msg)
+    return call_next(msg, context)
+
+
+def measure(config: RunConfig) -> dict:
+    folder = Path(config.run_dir) / config.run_name
+    summary = json.loads((folder / "summary.json").read_text())
+    rows = _csv(folder / "rounds.csv")
+    phases = _csv(folder / "phases.csv") if (folder / "phases.csv").exists() else []
+    accuracy = [float(r["accuracy"]) for r in rows]
+    target = summary["rounds_to_target"]
+    uplink = [int(r["uplink_bytes"]) for r in rows]
+    continual = summary.get("continual", {})
+    new_class = [float(r["new_class_accuracy"]) for r in phases if r.get("new_class_accuracy")]
+    per_site = summary["per_site"]
+    return {
+        "final_accuracy": summary["final_accuracy"],
+        "worst_line": min(v["accuracy"] for v in per_site.values()) if per_site else None,
+        "rounds_to_target": target,
+        "uplink_mb_to_target": sum(uplink[:target]) / 1e6 if target else None,
+        "uplink_mb": sum(uplink) / 1e6,
+        "downlink_mb": summary["totals"]["downlink_bytes"] / 1e6,
+        "forgetting": continual.get("forgetting"),
+        "new_class_recall": statistics.fmean(new_class[-5:]) if new_class else None,
+        "site_cpu_seconds": summary["totals"]["site_train_cpu_seconds"] + summary["totals"]["site_compress_cpu_seconds"],
+        "site_peak_mb": summary["totals"].get("site_peak_rss_mb"),
+        "failures": summary["totals"]["failures"],
+        "curve": accuracy,
+    }
+
+
+def _csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+METRICS = (  # key, header, format, better ("max" / "min")
+    ("final_accuracy", "final acc %", "pct", "max"),
+    ("worst_line", "worst line %", "pct", "max"),
+    ("rounds_to_target", "rounds to target", "int", "min"),
+    ("uplink_mb_to_target", "uplink MB to target", "mb", "min"),
+    ("uplink_mb", "uplink MB", "mb", "min"),
+    ("downlink_mb", "downlink MB", "mb", "min"),
+    ("forgetting", "forgetting phase 0 (pp)", "pct", "min"),
+    ("new_class_recall", "new-class recall %", "pct", "max"),
+    ("site_cpu_seconds", "site CPU s", "int", "min"),
+    ("site_peak_mb", "site peak MiB", "int", "min"),
+)
+
+
+def summarise(runs: list[dict]) -> dict:
+    out = {}
+    for key, *_ in METRICS:
+        values = [r[key] for r in runs]
+        finite = [v for v in values if v is not None and math.isfinite(v)]
+        out[key] = {
+            "mean": statistics.fmean(finite) if finite else None,
+            "std": statistics.stdev(finite) if len(finite) > 1 else 0.0,
+            "missing": len(values) - len(finite),  # e.g. target never reached
+        }
+    return out
+
+
+def _cell(stat: dict, kind: str) -> str:
+    if stat["mean"] is None:
+        return "–"
+    mean, std = stat["mean"], stat["std"]
+    text = {
+        "pct": f"{100 * mean:.1f} ± {100 * std:.1f}",
+        "int": f"{mean:.0f} ± {std:.0f}",
+        "mb": f"{mean:.2f} ± {std:.2f}" if mean >= 0.1 else f"{1000 * mean:.0f} kB ± {1000 * std:.0f}",
+    }[kind]
+    return text + (f" ({stat['missing']} n/r)" if stat["missing"] else "")
+
+
+def table(results: dict[str, dict[str, dict]], alphas, seeds, base: RunConfig) -> str:
+    lines = [
+        f"Plant scenario: {base.num_sites} lines, {base.phases} phases x {base.phase_rounds} rounds "
+        f"({base.num_server_rounds} in all), {base.drift_regime_share:.0%} of the lines drift to "
+        f"{base.drift_speed_factor:g}x speed at phase 1, {base.drift_new_classes} new class at one line, line "
+        f"{ABSENT_SITE} off the network in rounds {ABSENT_ROUNDS.start}-{ABSENT_ROUNDS.stop - 1}, target "
+        f"{base.target_accuracy:g}; seeds {', '.join(map(str, seeds))}; mean ± std over seeds "
+        "(n/r: seeds where the target was not reached).",
+    ]
+    for alpha in alphas:
+        lines += ["", f"### Dirichlet alpha {alpha:g}", "",
+                  "| variant | " + " | ".join(h for _, h, _, _ in METRICS) + " |",
+                  "|---|" + "---|" * len(METRICS)]
+        for name, by_alpha in results.items():
+            if f"{alpha:g}" in by_alpha:
+                stats = by_alpha[f"{alpha:g}"]
+                lines.append(f"| {name} | " + " | ".join(_cell(stats[k], kind) for k, _, kind, _ in METRICS) + " |")
+    return "\n".join(lines)
+
+
+def plot(per_run: dict[tuple[str, float], list[dict]], alphas, base: RunConfig, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(alphas), figsize=(7 * len(alphas), 4.5), squeeze=False)
+    for ax, alpha in zip(axes[0], alphas):
+        for (name, a), runs in per_run.items():
+            if a != alpha or not runs or not (name in BUILTINS or name == "recipe"):
+                continue
+            curve = [statistics.fmean(v) for v in zip(*(r["curve"] for r in runs))]
+            ax.plot(range(1, len(curve) + 1), curve, label=name, linewidth=2.5 if name == "recipe" else 1.2)
+        for end in base.phase_end_rounds():
+            ax.axvline(end, color="grey", linestyle=":")
+        ax.axvspan(ABSENT_ROUNDS.start, ABSENT_ROUNDS.stop - 1, color="orange", alpha=0.1, label="a line is off")
+        ax.set(xlabel="round", ylabel="global test accuracy (mean over seeds)", title=f"alpha {alpha:g}", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.3])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[5, 6, 7, 8, 9])
+    parser.add_argument("--out", default="runs/plant")
+    parser.add_argument("--runtime", default="ray", help="fedind.simulation runtime (ray, or loopback where available)")
+    args, overrides = parser.parse_known_args(argv)
+    base = parse_overrides(overrides, {**pyproject_run_config(), **SCENARIO})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(
+        {"base": base.to_flower(), "variants": {n: VARIANTS[n] for n in args.variants}, "alphas": args.alphas,
+         "seeds": args.seeds, "absent_site": ABSENT_SITE, "absent_rounds": list(ABSENT_ROUNDS)}, indent=2))
+    configs = {(n, a, s): variant_config(base, n, a, s, out) for s in args.seeds for a in args.alphas for n in args.variants}
+    pending = [c for c in configs.values() if not finished(c)]
+    if pending:
+        kwargs = {"runtime": args.runtime} if args.runtime != "ray" else {}
+        simulate_many(pending, client_app=site_app(outer_mods=(absent_mod,)), **kwargs)
+    per_run: dict[tuple[str, float], list[dict]] = {}
+    for (name, alpha, seed), config in configs.items():
+        per_run.setdefault((name, alpha), []).append({"seed": seed, **measure(config)})
+    results: dict[str, dict[str, dict]] = {}
+    for (name, alpha), runs in per_run.items():
+        results.setdefault(name, {})[f"{alpha:g}"] = summarise(runs)
+    text = table(results, args.alphas, args.seeds, base)
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"summary": results, "runs": {f"{n} a{a:g}": runs for (n, a), runs in per_run.items()}}, indent=2))
+    plot(per_run, args.alphas, base, out / "plant.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
