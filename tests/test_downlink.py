@@ -1,0 +1,176 @@
+"""The compressed downlink: the server's transform and the site's mod, end to end without Ray."""
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+
+from fedind import wire
+from fedind.config import ConfigError, RunConfig
+from fedind.downlink import (
+    BROADCAST,
+    STALE_DOWNLINK,
+    CompressedDownlink,
+    apply_step,
+    digest,
+    downlink_mod,
+    step_toward,
+)
+from fedind.metering import PerReply, payload_bytes
+
+pytestmark = pytest.mark.usefixtures("flower_task_identity")
+
+SHAPES = {"conv.weight": (32, 3, 64), "head.weight": (10, 128), "head.bias": (10,)}
+NODE = 7
+
+
+def arrays(seed: int, scale: float = 1.0, shapes=SHAPES) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: (scale * rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
+
+
+def record(values: dict) -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in values.items()})
+
+
+def train_message(global_arrays: dict, server_round: int, extra: dict | None = None) -> Message:
+    content = RecordDict(
+        {
+            wire.ARRAYS: record(global_arrays),
+            wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps({}), wire.SERVER_ROUND: server_round}),
+            **{name: record(v) for name, v in (extra or {}).items()},
+        }
+    )
+    return Message(content, message_type=MessageType.TRAIN, dst_node_id=NODE)
+
+
+class Site:
+    """What the site agent saw (the rebuilt message) and a reply: its weights + ``delta``."""
+
+    def __init__(self) -> None:
+        self.context = Context(run_id=1, node_id=NODE, node_config={}, state=RecordDict(), run_config={})
+        self.seen: Message | None = None
+
+    def answer(self, wire_message: Message, delta: dict) -> Message:
+        def train(msg: Message, context: Context) -> Message:
+            self.seen = msg
+            weights = {k: msg.content[wire.ARRAYS][k].numpy() + delta[k] for k in delta}
+            content = RecordDict({wire.ARRAYS: record(weights), wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10})})
+            return Message(content, reply_to=msg)
+
+        return downlink_mod(wire_message, self.context, train)
+
+
+def send(server: CompressedDownlink, message: Message) -> Message:
+    """What MeteredGrid does: prepare a copy (the strategy's message stays dense)."""
+    copy = Message(RecordDict(dict(message.content.items())), dst_node_id=NODE, message_type=MessageType.TRAIN)
+    return server.prepare(copy)
+
+
+def test_a_step_rebuilds_the_same_model_at_both_ends_and_error_feedback_closes_the_gap():
+    held, target = arrays(0), arrays(1)
+    gaps = []
+    for _ in range(40):
+        payload, moved = step_toward(held, target, ratio=0.1, mode="int8")
+        rebuilt = apply_step(held, payload)
+        assert digest(rebuilt) == digest(moved)  # the site's float32 sum is the server's
+        held = moved
+        gaps.append(sum(float(np.abs(target[k] - held[k]).sum()) for k in target))
+    assert gaps[-1] < 0.05 * gaps[0]
+    assert all(b <= a + 1e-3 for a, b in zip(gaps, gaps[1:]))
+
+
+def test_sites_get_the_whole_model_first_then_small_steps_that_rebuild_the_broadcast_model():
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    g1 = arrays(0)
+    first = send(server, train_message(g1, 1))
+    assert wire.ARRAYS in first.content.array_records
+    reply = site.answer(first, arrays(9, 0.0))
+    server(train_message(g1, 1), reply)
+    server.settle({NODE})
+
+    g2 = {k: v + arrays(2, 0.01)[k] for k, v in g1.items()}
+    dense = train_message(g2, 2)
+    second = send(server, dense)
+    assert wire.ARRAYS not in second.content.array_records
+    assert payload_bytes(second.content) * 10 < payload_bytes(dense.content)
+    site.answer(second, arrays(9, 0.0))
+    rebuilt = {k: v.numpy() for k, v in site.seen.content[wire.ARRAYS].items()}
+    assert digest(rebuilt) == digest(server.broadcast)
+    assert rebuilt["head.bias"].shape == (10,)
+
+
+def test_a_dense_reply_trained_from_the_broadcast_model_is_rebased_onto_the_global_model():
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    g1 = arrays(0)
+    message = train_message(g1, 1)
+    server(message, site.answer(send(server, message), arrays(9, 0.0)))
+    server.settle({NODE})
+    g2 = {k: v + arrays(2, 0.1)[k] for k, v in g1.items()}
+    delta = arrays(3, 0.01)
+    message = train_message(g2, 2)
+    out = server(message, site.answer(send(server, message), delta))
+    for k in g2:  # G_t + delta, not P_t + delta
+        np.testing.assert_allclose(out.content[wire.ARRAYS][k].numpy(), g2[k] + delta[k], atol=1e-5)
+
+
+def test_a_site_that_lost_its_copy_answers_stale_and_gets_the_whole_model_next_round():
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    g = arrays(0)
+    for server_round in (1, 2):
+        message = train_message(g, server_round)
+        server(message, site.answer(send(server, message), arrays(9, 0.0)))
+        server.settle({NODE})
+        g = {k: v + arrays(server_round, 0.01)[k] for k, v in g.items()}
+    del site.context.state[BROADCAST]  # a restart without its state
+    message = train_message(g, 3)
+    stale = site.answer(send(server, message), arrays(9, 0.0))
+    assert stale.has_error() and stale.error.code == STALE_DOWNLINK
+    server.settle(set())  # error replies never reach the transform: the site holds nothing known
+    whole = send(server, train_message(g, 4))
+    assert wire.ARRAYS in whole.content.array_records
+    assert not site.answer(whole, arrays(9, 0.0)).has_error()
+
+
+def test_a_site_back_after_missing_rounds_gets_the_whole_model():
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    g = arrays(0)
+    message = train_message(g, 1)
+    server(message, site.answer(send(server, message), arrays(9, 0.0)))
+    server.settle({NODE})
+    send(server, train_message(g, 2))  # round 2: the site is off the network, no reply
+    server.settle(set())
+    back = send(server, train_message({k: v + 0.01 for k, v in g.items()}, 3))
+    assert wire.ARRAYS in back.content.array_records
+
+
+def test_records_the_site_holds_are_sent_once_and_restored_from_its_copy():
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    g, fisher = arrays(0), {"f": np.arange(1000, dtype=np.float32)}
+    message = train_message(g, 1, {wire.EWC_FISHER: fisher})
+    server(message, site.answer(send(server, message), arrays(9, 0.0)))
+    server.settle({NODE})
+    message = train_message(g, 2, {wire.EWC_FISHER: fisher})
+    on_wire = send(server, message)
+    assert wire.EWC_FISHER not in on_wire.content.array_records
+    site.answer(on_wire, arrays(9, 0.0))
+    np.testing.assert_array_equal(site.seen.content[wire.EWC_FISHER]["f"].numpy(), fisher["f"])
+    changed = {"f": fisher["f"] + 1}
+    assert wire.EWC_FISHER in send(server, train_message(g, 3, {wire.EWC_FISHER: changed})).content.array_records
+
+
+def test_a_grown_head_sends_the_whole_model():
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    message = train_message(arrays(0), 1)
+    server(message, site.answer(send(server, message), arrays(9, 0.0)))
+    server.settle({NODE})
+    grown = dict(SHAPES, **{"head.weight": (11, 128), "head.bias": (11,)})
+    assert wire.ARRAYS in send(server, train_message(arrays(1, shapes=grown), 2)).content.array_records
+
+
+def test_downlink_config_is_checked():
+    with pytest.raises(ConfigError, match="downlink-ratio"):
+        RunConfig(downlink="topk", downlink_ratio=0.0)
+    with pytest.raises(ConfigError, match="downlink"):
+        RunConfig(downlink="gzip")
