@@ -1,9 +1,10 @@
 """The run-config reference, docs/configuration.md, rendered from :class:`fedind.config.RunConfig`.
 
 Each field of ``RunConfig`` is one key: its kebab-case name, its default (as TOML, the way
-pyproject.toml writes it) and the trailing ``# comment`` of its line in fedind/config.py. A
-comment line of its own in the class body (``# Continual learning ...``) becomes a section
-row. The page is generated, so it cannot drift from the code: tests/test_docs.py checks it
+pyproject.toml writes it) and the trailing ``# comment`` of its line in fedind/config.py (a
+field without one is described by the comment lines right above it). Comment lines of their
+own above a field that has a trailing comment (``# Continual learning ...``) become a
+section row. The page is generated, so it cannot drift from the code: tests/test_docs.py checks it
 against :func:`render`.
 
 Regenerate after adding or changing a key::
@@ -69,6 +70,7 @@ PAGES: tuple[tuple[str, str], ...] = (
     ("min-sites", "deployment.md"),
     ("checkpoint-", "checkpoints.md"),
     ("resume", "checkpoints.md"),
+    ("overwrite", "results.md"),
     ("metrics-", "deployment.md"),
     ("phase", "continual.md"),
     ("drift-", "continual.md"),
@@ -163,19 +165,31 @@ def rows(cls: type = RunConfig) -> list[tuple[str, str, str, str] | str]:
     for node in body.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             break
-        # Comment lines of their own above this statement: section titles.
-        for number in range(previous_end + 1, node.lineno):
-            if number in comments and lines[number - 1].lstrip().startswith("#"):
-                out.append(comments[number])
+        # Comment lines of their own above this statement.
+        above = [
+            comments[number]
+            for number in range(previous_end + 1, node.lineno)
+            if number in comments and lines[number - 1].lstrip().startswith("#")
+        ]
         previous_end = node.end_lineno or node.lineno
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        name = node.target.id
-        if name not in defaults:  # a ClassVar or similar, not a field
-            continue
-        meaning = " ".join(
+        is_field = (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id in defaults  # not a ClassVar or similar
+        )
+        trailing = " ".join(
             comments[n] for n in range(node.lineno, previous_end + 1) if n in comments
         )
+        if not is_field:
+            out.extend(above)
+            continue
+        assert isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        name = node.target.id
+        if trailing:
+            out.extend(above)  # a section title above a documented field
+            meaning = trailing
+        else:
+            meaning = " ".join(above)  # the field's own comment, written above it
         key = name.replace("_", "-")
         out.append((key, defaults[name], meaning, page_of(key)))
     return out

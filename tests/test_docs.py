@@ -5,6 +5,7 @@ by fedind, links resolve, and the README stays a short front door. CPU only, no 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,26 @@ def test_configdoc_reads_the_trailing_comment_and_section_lines():
     text = configdoc.render()
     # pipes and angle brackets in comments must not break the table
     assert "int8 \\| int4" in text and "&lt;run-name&gt;" in text
+
+
+@dataclass(frozen=True)
+class _Sample:
+    alpha: int = 1  # first
+    # Section title
+    beta: str = "x|y"  # second
+    # the comment above gamma
+    # spans two lines
+    gamma: bool = False
+
+
+def test_configdoc_takes_a_fields_comment_from_above_when_its_line_has_none():
+    assert configdoc.rows(_Sample) == [
+        ("alpha", "1", "first", ""),
+        "Section title",
+        ("beta", '"x|y"', "second", ""),
+        ("gamma", "false", "the comment above gamma spans two lines", ""),
+    ]
+    assert '| `beta` | `"x\\|y"` | second |  |' in configdoc.render(_Sample)
 
 
 # -------------------------------------------------------------------- the README front door
