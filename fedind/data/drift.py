@@ -26,6 +26,7 @@ of the spec (seed). :func:`write_drift_federation` writes it in the on-disk phas
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -148,18 +149,36 @@ def phase_global_test(drift: DriftSpec, phase: int) -> SiteArrays:
     return SiteArrays(np.concatenate(xs), np.concatenate(ys))
 
 
+def write_phase_layout(
+    out: Path,
+    phases: int,
+    sites: list[str],
+    site_batch: Callable[[int, int], tuple[SiteArrays, SiteArrays]],
+    global_test: Callable[[int], SiteArrays],
+) -> None:
+    """Write ``site_batch(index, phase)`` (train, test) of every site and ``global_test(phase)``
+    of every phase in the on-disk phase layout (any data family)."""
+    for phase in range(phases):
+        sub = phase_name(phase)
+        for index, site in enumerate(sites):
+            train, test = site_batch(index, phase)
+            folder = out / "sites" / site / sub if sub else out / "sites" / site
+            write_split(folder / "train.npz", train)
+            write_split(folder / "test.npz", test)
+        write_split((out / sub if sub else out) / "test.npz", global_test(phase))
+
+
 def write_drift_federation(drift: DriftSpec, out: str | Path) -> Path:
     """Write every phase in the on-disk phase layout (see :mod:`fedind.data.format`):
     phase 0 as the static layout, phase ``p`` under ``phase-<p>/`` folders."""
     out = Path(out)
-    for phase in range(drift.phases):
-        sub = phase_name(phase)
-        for index, site in enumerate(site_ids(drift.federation.num_sites)):
-            train, test = phase_site(drift, index, phase)
-            folder = out / "sites" / site / sub if sub else out / "sites" / site
-            write_split(folder / "train.npz", train)
-            write_split(folder / "test.npz", test)
-        write_split((out / sub if sub else out) / "test.npz", phase_global_test(drift, phase))
+    write_phase_layout(
+        out,
+        drift.phases,
+        site_ids(drift.federation.num_sites),
+        lambda index, phase: phase_site(drift, index, phase),
+        lambda phase: phase_global_test(drift, phase),
+    )
     source = new_class_site(drift)
     write_meta(
         out,
