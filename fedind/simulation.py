@@ -1,4 +1,10 @@
-"""Run a whole federation in this process with Flower's Simulation Runtime (tests, benchmarks)."""
+"""Run a whole federation in this process (tests, benchmarks).
+
+Two runtimes: ``"ray"``, Flower's Simulation Runtime (``run_simulation``: Ray, one worker
+process per site, ~10-15 s to start on 2 cores), and ``"loopback"``, the sites called one
+after another in this process through :class:`fedind.loopback.LoopbackGrid` (no start-up;
+for the server's round logic). For the same seed on CPU both give the same model, bit for
+bit (tests/test_simulation.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +19,12 @@ from flwr.simulation import run_simulation
 
 from .clientapp import app as site_app
 from .config import RunConfig
+from .loopback import LoopbackGrid, task_identity
 from .secure import provision_simulation_keys
 from .serverapp import federation_shape, run_server
 
 REPLY_POLL_SECONDS = 0.01
+RUNTIMES = ("ray", "loopback")
 
 
 def simulate(
@@ -25,14 +33,17 @@ def simulate(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     client_app: ClientApp | None = None,
+    runtime: str = "ray",
 ) -> dict:
     """Run ``config`` with one virtual SuperNode per site; return its summary.json.
 
     ``client_app``: the site agent to simulate (default: :data:`fedind.clientapp.app`), e.g.
-    one with an extra mod that misbehaves at some sites (``simulations/poisoning.py``)."""
+    one with an extra mod that misbehaves at some sites (``simulations/poisoning.py``).
+    ``runtime``: ``"ray"`` (Flower's Simulation Runtime) or ``"loopback"`` (in this process,
+    sequential: :mod:`fedind.loopback`; ``num_cpus`` is then each site's torch threads)."""
     if not config.run_name and not config.resume:  # resume without a name: the newest run (serverapp)
         config = replace(config, run_name=f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return simulate_many([config], num_supernodes, num_cpus, num_gpus, client_app)[0]
+    return simulate_many([config], num_supernodes, num_cpus, num_gpus, client_app, runtime)[0]
 
 
 def simulate_many(
@@ -41,6 +52,7 @@ def simulate_many(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     client_app: ClientApp | None = None,
+    runtime: str = "ray",
 ) -> list[dict]:
     """Run ``configs`` one after another in one Flower simulation; return their summaries.
 
@@ -49,7 +61,10 @@ def simulate_many(
     :func:`fedind.site_state.run_scope_mod`), without starting Ray and the site workers
     (imports, data) again for every run: about 15 s a run on 2 cores. For benchmarks that
     make many runs of the same federation size. The runs need distinct run folders and the
-    same number of sites."""
+    same number of sites. With ``runtime="loopback"`` the runs share one
+    :class:`~fedind.loopback.LoopbackGrid` (its node contexts), as they share the Flower run."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
     if not configs:
         return []
     folders = [(c.run_dir, c.run_name) for c in configs]
@@ -59,6 +74,8 @@ def simulate_many(
     if len(num_sites) > 1:
         raise ValueError(f"simulate_many needs the same number of sites in every run, got {sorted(num_sites)}")
     configs = [_with_keys(config) for config in configs]
+    if runtime == "loopback":
+        return _loopback(configs, num_supernodes or num_sites.pop(), num_cpus, client_app or site_app)
     server_app = ServerApp()
     summaries: list[dict] = []
 
@@ -82,6 +99,14 @@ def simulate_many(
             f"the simulation of {failed.run_name or 'the resumed run'} ended without a summary; see the log above"
         )
     return summaries
+
+
+def _loopback(configs: list[RunConfig], num_nodes: int, num_cpus: float, client_app: ClientApp) -> list[dict]:
+    """The runs on one :class:`LoopbackGrid`; each site with ``num_cpus`` torch threads (at
+    least 1), as a Ray actor with that many CPUs has."""
+    grid = LoopbackGrid(client_app, num_nodes, client_threads=max(1, int(num_cpus)))
+    with task_identity(grid.run.run_id):  # what Message() stamps; run_simulation sets it too
+        return [run_server(grid, config) for config in configs]
 
 
 def _with_keys(config: RunConfig) -> RunConfig:
