@@ -22,6 +22,7 @@ import re
 import sys
 import textwrap
 import tokenize
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ PAGES: tuple[tuple[str, str], ...] = (
     ("alignment-threshold", "screening.md"),
     ("compression", "compression.md"),
     ("topk-", "compression.md"),
+    ("downlink", "compression.md"),
     ("encryption", "encryption.md"),
     ("paillier-", "encryption.md"),
     ("data-root", "data-format.md"),
@@ -78,25 +80,38 @@ PAGES: tuple[tuple[str, str], ...] = (
     ("ewc-", "continual.md"),
 )
 
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
 HEADER = f"""\
 # Run configuration
 
-<!-- Generated from fedind/config.py by `{COMMAND}`; do not edit by hand. -->
+<!-- Generated from fedind/config.py and pyproject.toml by `{COMMAND}`; do not edit by hand. -->
 
-Every key lives in `[tool.flwr.app.config]` of `pyproject.toml` (kebab-case) and in
-`fedind.config.RunConfig` (snake_case), with the same default. Override keys for one run
-with `flwr run . --run-config "num-server-rounds=20 strategy='dwa'"` (values are TOML:
-strings in single quotes inside the double-quoted list, `true`/`false`, numbers). Unknown
-keys and invalid values (a value out of range, a wrong type, a combination that cannot
-work) fail at start with a message naming the key, before any round runs.
+Every key is a field of `fedind.config.RunConfig` (snake_case) and a kebab-case key of
+`[tool.flwr.app.config]` in `pyproject.toml`. `RunConfig`'s defaults (the **default**
+column) are the plain baseline that tests, benchmarks and ablations start from;
+`pyproject.toml` declares what `flwr run .` runs, and where that differs from the default
+the **`flwr run .`** column shows it. Override keys for one run with
+`flwr run . --run-config "seed=1 run-name='seed-1'"` (values are TOML: strings in single
+quotes inside the double-quoted list, `true`/`false`, numbers). Unknown keys and invalid
+values (a value out of range, a wrong type, a combination that cannot work) fail at start
+with a message naming the key, before any round runs.
 
-This page is generated from the fields of `RunConfig` and the comment on each field's
-line: after adding or changing a key, run `{COMMAND}` (the test suite fails until you do).
-The last column links the page that explains the key.
+This page is generated from the fields of `RunConfig`, the comment on each field's line and
+`pyproject.toml`: after adding or changing a key, run `{COMMAND}` (the test suite fails
+until you do). The last column links the page that explains the key.
 
-| key | default | meaning | docs |
-|---|---|---|---|
+| key | default | `flwr run .` | meaning | docs |
+|---|---|---|---|---|
 """
+
+
+def pyproject_values(path: Path = PYPROJECT) -> dict[str, Any]:
+    """``[tool.flwr.app.config]`` of pyproject.toml (empty when there is none, e.g. installed)."""
+    if not path.exists():
+        return {}
+    with open(path, "rb") as f:
+        return tomllib.load(f).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
 
 
 def toml_value(value: Any) -> str:
@@ -195,16 +210,20 @@ def rows(cls: type = RunConfig) -> list[tuple[str, str, str, str] | str]:
     return out
 
 
-def render(cls: type = RunConfig) -> str:
-    """The text of docs/configuration.md."""
+def render(cls: type = RunConfig, declared: dict[str, Any] | None = None) -> str:
+    """The text of docs/configuration.md; ``declared``: the run config ``flwr run .`` runs
+    (default: pyproject.toml's)."""
+    declared = pyproject_values() if declared is None else declared
     parts = [HEADER]
     for row in rows(cls):
         if isinstance(row, str):
-            parts.append(f"| **{_cell(row)}** | | | |\n")
+            parts.append(f"| **{_cell(row)}** | | | | |\n")
             continue
         key, default, meaning, page = row
+        run = toml_value(declared[key]) if key in declared else "(not declared)"
+        run = f"`{_cell(run)}`" if run != default else ""
         link = f"[{page.removesuffix('.md')}]({page})" if page else ""
-        parts.append(f"| `{key}` | `{_cell(default)}` | {_cell(_expand_constants(meaning))} | {link} |\n")
+        parts.append(f"| `{key}` | `{_cell(default)}` | {run} | {_cell(_expand_constants(meaning))} | {link} |\n")
     return "".join(parts)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from flwr.common.config import parse_config_args
+from flwr.common.config import get_fused_config_from_dir, parse_config_args
 from flwr.supercore.utils import simulation_config_from_json
 
 from fedind import configdoc
@@ -79,7 +79,9 @@ def test_configdoc_takes_a_fields_comment_from_above_when_its_line_has_none():
         ("beta", '"x|y"', "second", ""),
         ("gamma", "false", "the comment above gamma spans two lines", ""),
     ]
-    assert '| `beta` | `"x\\|y"` | second |  |' in configdoc.render(_Sample)
+    text = configdoc.render(_Sample, declared={"alpha": 1, "beta": "z", "gamma": False})
+    assert '| `alpha` | `1` |  | first |  |' in text  # flwr run . runs the default
+    assert '| `beta` | `"x\\|y"` | `"z"` | second |  |' in text
 
 
 # -------------------------------------------------------------------- the README front door
@@ -104,15 +106,17 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert TEST_COMMAND in README.read_text(encoding="utf-8").splitlines()
 
 
-def test_readme_key_table_matches_the_run_config_defaults():
+def test_readme_key_table_matches_the_run_config_and_pyproject():
     text = README.read_text(encoding="utf-8")
     section = text.split("## The ten most used run-config keys", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([a-z0-9-]+)` \| `([^`]*)` \|", section, flags=re.M)
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| `([^`]*)` \| `([^`]*)` \|", section, flags=re.M)
     assert len(rows) == 10
     defaults = RunConfig().to_flower()
-    for key, default in rows:
+    declared = configdoc.pyproject_values()
+    for key, run, default in rows:
         assert key in defaults, f"README lists unknown run-config key {key!r}"
-        assert default == configdoc.toml_value(defaults[key]), f"README default of {key}"
+        assert run == configdoc.toml_value(declared[key]), f"README: what flwr run . uses for {key}"
+        assert default == configdoc.toml_value(defaults[key]), f"README: RunConfig default of {key}"
 
 
 SEARCHED = ("README.md", "docs", "fedind", "server", "client", "simulations", "tests", "deploy", "pyproject.toml", ".ci")
@@ -145,7 +149,8 @@ def config_strings() -> list[tuple[str, str, str]]:
         text = file.read_text(encoding="utf-8")
         for match in CONFIG_FLAG.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
-            found.append((f"{file.relative_to(ROOT)}:{line}", match.group(1), match.group(2)))
+            value = match.group(2).replace("\\\n", "")  # a shell line continuation inside the quotes
+            found.append((f"{file.relative_to(ROOT)}:{line}", match.group(1), value))
     return found
 
 
@@ -158,8 +163,9 @@ def check_federation_config(value: str) -> None:
 
 
 def check_run_config(value: str) -> None:
-    """What `flwr run --run-config` hands the app (TOML pairs), read as fedind reads it."""
-    RunConfig.from_flower(parse_config_args([value]))
+    """What `flwr run . --run-config` hands the app: the TOML pairs fused over pyproject.toml's
+    run config (an unknown key is refused there), read as fedind reads it."""
+    RunConfig.from_flower(get_fused_config_from_dir(ROOT, parse_config_args([value])))
 
 
 ALL_CONFIG_STRINGS = config_strings()
@@ -198,7 +204,7 @@ def test_the_checker_finds_a_refused_string_in_text():
     assert (kind1, kind2) == ("federation", "run")
     with pytest.raises(ValueError):
         check_federation_config(value1)
-    with pytest.raises(ConfigError, match="no-such-key"):
+    with pytest.raises(ValueError, match="no-such-key"):
         check_run_config(value2)
     with pytest.raises(ConfigError, match="topk-ratio"):
         check_run_config("compression='topk' topk-ratio=0")
