@@ -35,6 +35,9 @@ STALE_DOWNLINK = 1004  # Error code of a site reply: it does not hold the base a
 BROADCAST = "downlink-model"  # context.state ArrayRecord: the site's copy of the broadcast model P
 HELD = "downlink-held"  # context.state ConfigRecord: digest of each record the site holds, by name
 CACHED_PREFIX = "downlink-cache:"  # context.state ArrayRecord per cached record name
+# Messages whose global model travels as a step: train rounds and the phase-end query (the
+# final evaluation is sent whole, once).
+MODEL_MESSAGES = (MessageType.TRAIN, wire.PHASE_END)
 
 
 def digest(arrays: Mapping[str, np.ndarray]) -> str:
@@ -102,7 +105,7 @@ class CompressedDownlink:
     # -------------------------------------------------------------- outgoing
     def prepare(self, message: Message) -> Message:
         message = self.inner.prepare(message)
-        if message.metadata.message_type != MessageType.TRAIN or wire.ARRAYS not in message.content.array_records:
+        if message.metadata.message_type not in MODEL_MESSAGES or wire.ARRAYS not in message.content.array_records:
             return message
         node = message.metadata.dst_node_id
         global_record = message.content[wire.ARRAYS]
@@ -186,7 +189,7 @@ def downlink_mod(msg: Message, context: Context, call_next: Callable[[Message, C
     """Flower client mod: rebuild a compressed train message (the broadcast model from the
     site's copy plus the sparse step; cached records from the site's copies) before the
     site agent sees it, and keep the copies in ``context.state``."""
-    if msg.metadata.message_type != MessageType.TRAIN or wire.DOWNLINK not in msg.content.config_records:
+    if msg.metadata.message_type not in MODEL_MESSAGES or wire.DOWNLINK not in msg.content.config_records:
         return call_next(msg, context)
     try:
         msg = _rebuild(msg, context)
