@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .data import gearbox
 from .data.federation import FederationSpec, site_ids, site_regimes, write_federation
 from .data.format import (
     SITES_DIR,
@@ -95,7 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         "--samples-per-site", type=int, metavar="M", default=_SPEC_DEFAULTS["samples_per_site"],
         help="mean windows per site, train + local test (default %(default)s)",
     )
-    gen.add_argument("--window", type=int, metavar="L", default=_SPEC_DEFAULTS["window"], help="samples per window (default %(default)s)")
+    gen.add_argument("--window", type=int, metavar="L", default=None,
+        help=f"samples per window (default {_SPEC_DEFAULTS['window']}, gearbox {gearbox.GearboxSpec.window})")
+    gen.add_argument(
+        "--family", choices=("bearing", "gearbox"), default="bearing",
+        help="bearing: 1-channel rolling-element bearings, 10 CWRU-like classes; gearbox: 2-channel "
+        "(radial, axial) spur gearboxes, 8 classes, fedind.data.gearbox (default %(default)s)",
+    )
     gen.set_defaults(run=_generate)
 
     check = data_commands.add_parser(
@@ -119,13 +126,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    spec = FederationSpec(
-        num_sites=args.sites,
-        alpha=args.alpha,
-        samples_per_site=args.samples_per_site,
-        window=args.window,
-        seed=args.seed,
-    )
+    fields = {"num_sites": args.sites, "alpha": args.alpha, "samples_per_site": args.samples_per_site, "seed": args.seed}
+    if args.window is not None:
+        fields["window"] = args.window
+    if args.family == "gearbox":
+        spec = gearbox.GearboxSpec(**fields)
+        write, regimes, names = gearbox.write_gearbox_federation, gearbox.phase_regimes(spec, 0), gearbox.CLASS_NAMES
+    else:
+        spec = FederationSpec(**fields)
+        write, regimes, names = write_federation, site_regimes(spec), CLASS_NAMES
     out = args.out.expanduser().resolve()
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise _UsageError(f"{out}: already exists and is not an empty folder; choose a new one")
@@ -133,11 +142,11 @@ def _generate(args: argparse.Namespace) -> int:
         # flwr-datasets warns each time it redraws a split that missed min_partition_size;
         # the redraw is the intended behaviour and the result is valid, so keep it quiet.
         warnings.filterwarnings("ignore", "The specified min_partition_size", UserWarning)
-        _write_atomically(spec, out)
+        _write_atomically(spec, out, write)
     info = validate_data_root(out)  # what a site agent will load, read back from disk
     print(f"wrote {spec.num_sites} sites to {out}  (alpha {spec.alpha:g}, seed {spec.seed}, window {spec.window})")
     print()
-    print(_site_table(spec, out, info))
+    print(_site_table(spec, out, info, regimes, names))
     print()
     print(f"global test set: {_count(out / TEST_FILE)} windows (every class under every site's regime)")
     print()
@@ -146,28 +155,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_atomically(spec: FederationSpec, out: Path) -> None:
+def _write_atomically(spec: FederationSpec | gearbox.GearboxSpec, out: Path, write=write_federation) -> None:
     """Write into a hidden sibling, then rename: a failed run leaves no half-written folder."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        write_federation(spec, tmp)
+        write(spec, tmp)
         os.replace(tmp, out)  # onto a missing or empty folder
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
 
 
-def _site_table(spec: FederationSpec, root: Path, info: dict) -> str:
+def _site_table(spec: FederationSpec | gearbox.GearboxSpec, root: Path, info: dict, regimes, names) -> str:
     rows = [("site", "train", "test", "dominant classes (share of site)", "speed", "sample rate")]
-    for site, regime in zip(site_ids(spec.num_sites), site_regimes(spec)):
+    for site, regime in zip(site_ids(spec.num_sites), regimes):
         labels = np.concatenate([_labels(root / SITES_DIR / site / name) for name in (TRAIN_FILE, TEST_FILE)])
         rows.append(
             (
                 site,
                 str(info["num_train"][site]),
                 str(_count(root / SITES_DIR / site / TEST_FILE)),
-                _dominant(labels),
+                _dominant(labels, names),
                 f"{regime.shaft_hz * 60:.0f} rpm",
                 f"{regime.sample_rate / 1000:g} kHz",
             )
@@ -180,10 +189,10 @@ def _labels(path: Path) -> np.ndarray:
         return npz["y"]
 
 
-def _dominant(labels: np.ndarray, top: int = 3, min_share: float = 0.05) -> str:
-    counts = np.bincount(labels, minlength=len(CLASS_NAMES))
+def _dominant(labels: np.ndarray, names=CLASS_NAMES, top: int = 3, min_share: float = 0.05) -> str:
+    counts = np.bincount(labels, minlength=len(names))
     order = np.argsort(-counts, kind="stable")[:top]
-    shares = [(CLASS_NAMES[c], counts[c] / labels.size) for c in order if counts[c] / labels.size >= min_share]
+    shares = [(names[c], counts[c] / labels.size) for c in order if counts[c] / labels.size >= min_share]
     return ", ".join(f"{name} {share:.0%}" for name, share in shares)
 
 
