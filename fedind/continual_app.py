@@ -185,7 +185,7 @@ class PhaseController:
         self.folder = Path(folder)
         self.run_config_json = run_config_json
         self.screen = screen
-        self.ewc = EWCState(config.ewc_gamma) if config.ewc_lambda > 0 else None
+        self.ewc = EWCState(config.ewc_gamma, config.ewc_keep) if config.ewc_lambda > 0 else None
         self.consolidated: list[int] = []  # phases whose end the sites were told of
         self.expansions: list[dict] = []  # {"round", "from", "to", "proposed_rows"}
         self.rows: list[dict] = []  # per-round scores (phases.csv)

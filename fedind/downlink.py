@@ -66,6 +66,49 @@ def apply_step(held: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.n
     return {name: (np.asarray(base, np.float32) + change[name]).astype(np.float32) for name, base in held.items()}
 
 
+SPARSE_SUFFIXES = (".shape", ".index", ".value")
+
+
+def pack_sparse(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """Lossless compact form of mostly-zero float arrays (a focused EWC Fisher and its
+    anchors): per array its shape, the flat indices of its non-zeros (uint32) and their
+    values. None when that would not be at least twice smaller than the dense arrays."""
+    packed, dense_bytes = {}, 0
+    for name, array in arrays.items():
+        a = np.asarray(array)
+        if a.dtype.kind != "f" or a.size >= 2**32:
+            return None
+        index = np.flatnonzero(a).astype(np.uint32)
+        packed[name + ".shape"] = np.asarray(a.shape, dtype=np.int64)
+        packed[name + ".index"] = index
+        packed[name + ".value"] = a.ravel()[index]
+        dense_bytes += a.nbytes
+    packed_bytes = sum(v.nbytes for v in packed.values())
+    return packed if 2 * packed_bytes <= dense_bytes else None
+
+
+def unpack_sparse(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The dense arrays of :func:`pack_sparse`; PayloadError naming the fault."""
+    names = sorted({key.rsplit(".", 1)[0] for key in packed})
+    out = {}
+    for name in names:
+        try:
+            shape = tuple(int(d) for d in np.asarray(packed[name + ".shape"]))
+            index = np.asarray(packed[name + ".index"])
+            value = np.asarray(packed[name + ".value"])
+        except KeyError as err:
+            raise PayloadError(f"sparse record {name!r}: missing {err}") from None
+        numel = int(np.prod(shape)) if shape else 1
+        if any(d < 0 for d in shape) or index.ndim != 1 or index.dtype != np.uint32 or value.shape != index.shape:
+            raise PayloadError(f"sparse record {name!r}: bad shape, index or value arrays")
+        if value.dtype.kind != "f" or (index.size and (int(index.max()) >= numel or np.any(np.diff(index.astype(np.int64)) <= 0))):
+            raise PayloadError(f"sparse record {name!r}: indices out of range or not increasing, or values not float")
+        dense = np.zeros(numel, dtype=value.dtype)
+        dense[index] = value
+        out[name] = dense.reshape(shape)
+    return out
+
+
 def _numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {name: array.numpy() for name, array in record.items()}
 
@@ -126,11 +169,15 @@ class CompressedDownlink:
         for name, record in message.content.array_records.items():  # records the site may hold already
             if name == wire.ARRAYS:
                 continue
-            token = digest(_numpy(record))
+            values = _numpy(record)
+            token = digest(values)
             sent[name] = token
             if holds.get(name) == token:
                 del content[name]
                 downlink[f"{wire.CACHED_RECORD}{name}"] = token
+            elif (packed := pack_sparse(values)) is not None:
+                del content[name]
+                content[f"{wire.SPARSE_RECORD}{name}"] = _record(packed)
         content[wire.DOWNLINK] = ConfigRecord(downlink)
         self._sent[node] = sent
         self._rebase[node] = self._gap
@@ -160,6 +207,11 @@ class CompressedDownlink:
         node = instruction.metadata.dst_node_id
         if node in self._sent:  # the site answered, so it rebuilt and keeps what it was sent
             self._answered.add(node)
+        if not reply.has_error():
+            try:
+                reply = _with_unpacked(reply)
+            except PayloadError as err:
+                return Message(Error(code=STALE_DOWNLINK, reason=f"rejected packed record: {err}"), reply_to=instruction)
         dense = not reply.has_error() and wire.ARRAYS in reply.content.array_records
         reply = self.inner(instruction, reply)  # a sparse reply becomes G_t + delta here
         gap = self._rebase.get(node)
@@ -196,7 +248,28 @@ def downlink_mod(msg: Message, context: Context, call_next: Callable[[Message, C
     except (PayloadError, StaleDownlink) as err:
         context.state.pop(BROADCAST, None)
         return Message(Error(code=STALE_DOWNLINK, reason=f"downlink: {err}; the server sends it whole next round"), reply_to=msg)
-    return call_next(msg, context)
+    reply = call_next(msg, context)
+    if reply.has_error():
+        return reply
+    content, changed = RecordDict(dict(reply.content.items())), False
+    for name, record in reply.content.array_records.items():  # e.g. a phase-end Fisher, focused
+        if name != wire.ARRAYS and (packed := pack_sparse(_numpy(record))) is not None:
+            del content[name]
+            content[f"{wire.SPARSE_RECORD}{name}"] = _record(packed)
+            changed = True
+    return Message(content, reply_to=msg) if changed else reply
+
+
+def _with_unpacked(message: Message) -> Message:
+    """``message`` with every packed record (:func:`pack_sparse`) back in its dense form."""
+    packed = [name for name in message.content.array_records if name.startswith(wire.SPARSE_RECORD)]
+    if not packed:
+        return message
+    content = RecordDict({k: v for k, v in message.content.items() if k not in packed})
+    for name in packed:
+        content[name[len(wire.SPARSE_RECORD):]] = _record(unpack_sparse(_numpy(message.content[name])))
+    message.content = content
+    return message
 
 
 class StaleDownlink(ValueError):
@@ -204,6 +277,7 @@ class StaleDownlink(ValueError):
 
 
 def _rebuild(msg: Message, context: Context) -> Message:
+    msg = _with_unpacked(msg)
     downlink = msg.content.config_records[wire.DOWNLINK]
     token = str(downlink[wire.TOKEN])
     content = RecordDict({k: v for k, v in msg.content.items() if k not in (wire.DOWNLINK, wire.DOWNLINK_STEP)})

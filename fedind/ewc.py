@@ -67,6 +67,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import math
+
 import numpy as np
 import torch
 from torch import nn
@@ -302,6 +304,30 @@ def merge_fisher(
     return out
 
 
+def focus(
+    fisher: Mapping[str, np.ndarray], anchors: Mapping[str, np.ndarray], keep: float
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Consolidate only what the earlier phases taught most: keep the largest ``keep`` share
+    of the Fisher's coordinates (over all arrays together), zero the rest, and zero the
+    anchors wherever the Fisher is zero (there the penalty does not look at them). The
+    penalty then holds the coordinates the old data were most sensitive to, and the
+    records are sparse on the wire. ``keep = 1`` is plain EWC: both are returned unchanged."""
+    keep = _real(keep, "keep", 0.0, 1.0)
+    if keep == 1.0:
+        return dict(fisher), dict(anchors)
+    names = list(fisher)
+    flat = np.concatenate([np.asarray(fisher[n], np.float32).ravel() for n in names]) if names else np.zeros(0)
+    k = int(math.ceil(keep * flat.size))
+    threshold = np.partition(flat, flat.size - k)[flat.size - k] if 0 < k < flat.size else (np.inf if k == 0 else -np.inf)
+    kept_f, kept_a = {}, {}
+    for name in names:
+        f = np.asarray(fisher[name], np.float32)
+        mask = (f >= threshold) & (f > 0)
+        kept_f[name] = np.where(mask, f, np.float32(0)).astype(np.float32)
+        kept_a[name] = np.where(mask, np.asarray(anchors[name], np.float32), np.float32(0)).astype(np.float32)
+    return kept_f, kept_a
+
+
 def server_consolidation(
     arrays: Mapping[str, np.ndarray],
     fisher: Mapping[str, np.ndarray],
@@ -337,8 +363,9 @@ class EWCState:
     ``consolidate`` at each phase boundary; ``expand_classes`` when the head grows.
     """
 
-    def __init__(self, gamma: float = 1.0) -> None:
+    def __init__(self, gamma: float = 1.0, keep: float = 1.0) -> None:
         self.gamma = _real(gamma, "gamma", 0.0, 1.0)
+        self.keep = _real(keep, "keep", 0.0, 1.0)
         self.fisher: dict[str, np.ndarray] = {}
         self.anchors: dict[str, np.ndarray] = {}
         self.phases = 0
@@ -363,7 +390,7 @@ class EWCState:
             if a.shape != f.shape or not np.all(np.isfinite(a)):
                 raise ValueError(f"Invalid anchors[{name!r}]: shape {a.shape} (Fisher {f.shape}) or non-finite values")
             kept[name] = a
-        self.fisher, self.anchors = fisher, kept
+        self.fisher, self.anchors = focus(fisher, kept, self.keep)
         self.phases += 1
 
     def expand_classes(self, new_num_classes: int, new_bias: float | None = None) -> None:
@@ -373,6 +400,8 @@ class EWCState:
             return
         fisher = pad_head_rows(self.fisher, new_num_classes, fill=0.0)
         anchors = expand_head(self.anchors, new_num_classes, new_bias=new_bias)
+        if self.keep < 1:  # new rows have F = 0: their anchors are zeroed like every unkept one
+            anchors = {n: np.where(fisher[n] > 0, a, np.float32(0)).astype(np.float32) for n, a in anchors.items()}
         self.fisher, self.anchors = fisher, anchors
 
     def state_dict(self) -> dict:

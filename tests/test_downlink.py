@@ -174,3 +174,36 @@ def test_downlink_config_is_checked():
         RunConfig(downlink="topk", downlink_ratio=0.0)
     with pytest.raises(ConfigError, match="downlink"):
         RunConfig(downlink="gzip")
+
+
+def test_mostly_zero_records_travel_packed_and_come_back_exactly():
+    from fedind.downlink import pack_sparse, unpack_sparse
+
+    rng = np.random.default_rng(0)
+    fisher = {"w": np.where(rng.random((64, 32)) < 0.1, rng.random((64, 32)), 0).astype(np.float32),
+              "b": np.zeros(5, np.float32)}
+    packed = pack_sparse(fisher)
+    assert packed is not None and sum(v.nbytes for v in packed.values()) * 3 < sum(v.nbytes for v in fisher.values())
+    back = unpack_sparse(packed)
+    for name in fisher:
+        np.testing.assert_array_equal(back[name], fisher[name])
+    assert pack_sparse({"dense": rng.random(100).astype(np.float32)}) is None
+    bad = dict(packed, **{"w.index": packed["w.index"][::-1].copy()})
+    with pytest.raises(Exception, match="not increasing"):
+        unpack_sparse(bad)
+
+
+def test_a_focused_ewc_record_goes_packed_and_the_site_gets_it_dense():
+    from fedind.ewc import focus
+
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    g = arrays(0)
+    fisher, anchors = focus({k: np.abs(v) for k, v in arrays(5).items()}, g, keep=0.1)
+    message = train_message(g, 1, {wire.EWC_FISHER: fisher, wire.EWC_ANCHORS: anchors})
+    on_wire = send(server, message)
+    assert wire.EWC_FISHER not in on_wire.content.array_records
+    assert payload_bytes(on_wire.content) < 0.5 * payload_bytes(message.content)  # the model whole + 2 packed records
+    site.answer(on_wire, arrays(9, 0.0))
+    for name in g:
+        np.testing.assert_array_equal(site.seen.content[wire.EWC_FISHER][name].numpy(), fisher[name])
+        np.testing.assert_array_equal(site.seen.content[wire.EWC_ANCHORS][name].numpy(), anchors[name])

@@ -423,3 +423,17 @@ def test_server_consolidation_rejects_bad_input(fisher, anchors, kappa):
     with pytest.raises(ValueError, match="Invalid"):
         server_consolidation({"w": np.zeros(4, np.float32)}, fisher, anchors, kappa)
 
+
+
+def test_focus_keeps_the_largest_share_of_fisher_coordinates_and_their_anchors():
+    from fedind.ewc import focus
+
+    fisher = {"a": np.array([0.0, 5.0, 1.0, 3.0], np.float32), "b": np.array([[4.0, 0.5]], np.float32)}
+    anchors = {"a": np.arange(4, dtype=np.float32) + 1, "b": np.array([[7.0, 8.0]], np.float32)}
+    f, a = focus(fisher, anchors, keep=0.5)  # 3 of 6 coordinates: 5, 4, 3
+    np.testing.assert_array_equal(f["a"], [0, 5, 0, 3])
+    np.testing.assert_array_equal(f["b"], [[4, 0]])
+    np.testing.assert_array_equal(a["a"], [0, 2, 0, 4])
+    np.testing.assert_array_equal(a["b"], [[7, 0]])
+    same_f, same_a = focus(fisher, anchors, keep=1.0)
+    np.testing.assert_array_equal(same_a["a"], anchors["a"])
