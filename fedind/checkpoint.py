@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -41,6 +42,7 @@ from .files import atomic_write, fsync_dir
 FORMAT, VERSION = "fedind.checkpoint", 1
 MANIFEST = "manifest.json"
 _ARRAY_TAG = "$array"
+_FLOAT_TAG = "$float"  # a non-finite float ("nan", "inf", "-inf"): state.json is strict JSON
 
 
 class CorruptCheckpointError(ValueError):
@@ -60,7 +62,8 @@ class Checkpoint:
 
 def split_arrays(tree: Any) -> tuple[Any, dict[str, np.ndarray]]:
     """(JSON-ready tree, arrays): every ndarray in nested dicts/lists/tuples becomes
-    ``{"$array": "a<i>"}``; tuples become lists. Dict keys must be strings."""
+    ``{"$array": "a<i>"}``, every NaN or infinite float ``{"$float": "nan"}`` (a round
+    without a global test set scores NaN); tuples become lists. Dict keys must be strings."""
     arrays: dict[str, np.ndarray] = {}
 
     def walk(node: Any) -> Any:
@@ -71,15 +74,17 @@ def split_arrays(tree: Any) -> tuple[Any, dict[str, np.ndarray]]:
         if isinstance(node, Mapping):
             if not all(isinstance(k, str) for k in node):
                 raise TypeError(f"checkpoint state keys must be strings, got {list(node)!r}")
-            if _ARRAY_TAG in node:
-                raise ValueError(f"checkpoint state may not use the key {_ARRAY_TAG!r}")
+            if _ARRAY_TAG in node or _FLOAT_TAG in node:
+                raise ValueError(f"checkpoint state may not use the keys {_ARRAY_TAG!r}, {_FLOAT_TAG!r}")
             return {k: walk(v) for k, v in node.items()}
         if isinstance(node, (list, tuple)):
             return [walk(v) for v in node]
+        if isinstance(node, np.generic):
+            node = node.item()
+        if isinstance(node, float) and not math.isfinite(node):
+            return {_FLOAT_TAG: repr(node)}
         if node is None or isinstance(node, (bool, int, float, str)):
             return node
-        if isinstance(node, np.generic):
-            return node.item()
         raise TypeError(f"cannot checkpoint a {type(node).__name__}")
 
     return walk(tree), arrays
@@ -93,6 +98,8 @@ def join_arrays(tree: Any, arrays: Mapping[str, np.ndarray]) -> Any:
             if name not in arrays:
                 raise CorruptCheckpointError(f"state refers to array {name!r}, which is not saved")
             return arrays[name]
+        if set(tree) == {_FLOAT_TAG} and tree[_FLOAT_TAG] in ("nan", "inf", "-inf"):
+            return float(tree[_FLOAT_TAG])
         return {k: join_arrays(v, arrays) for k, v in tree.items()}
     if isinstance(tree, list):
         return [join_arrays(v, arrays) for v in tree]

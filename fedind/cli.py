@@ -41,6 +41,7 @@ from .data.format import (
     validate_data_root,
 )
 from .data.synthetic import CLASS_NAMES
+from .diagnostics import inferred_classes_warning
 
 _SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FederationSpec)}
 
@@ -86,17 +87,17 @@ def _parser() -> argparse.ArgumentParser:
         "feature skew) as DATA_ROOT/sites/<site-id>/{train,test}.npz, test.npz, meta.json.",
     )
     gen.add_argument("--out", required=True, type=Path, metavar="DIR", help="new or empty folder to write")
-    gen.add_argument("--sites", type=int, metavar="N", default=_SPEC_DEFAULTS["num_sites"], help="number of sites (default %(default)s)")
+    gen.add_argument("--sites", type=_at_least(1), metavar="N", default=_SPEC_DEFAULTS["num_sites"], help="number of sites (default %(default)s)")
     gen.add_argument(
-        "--alpha", type=float, metavar="A", default=_SPEC_DEFAULTS["alpha"],
+        "--alpha", type=_positive_float, metavar="A", default=_SPEC_DEFAULTS["alpha"],
         help="Dirichlet concentration of the label split, > 0; smaller = more skewed (default %(default)s)",
     )
-    gen.add_argument("--seed", type=int, metavar="S", default=_SPEC_DEFAULTS["seed"], help="default %(default)s")
+    gen.add_argument("--seed", type=_at_least(0), metavar="S", default=_SPEC_DEFAULTS["seed"], help="default %(default)s")
     gen.add_argument(
-        "--samples-per-site", type=int, metavar="M", default=_SPEC_DEFAULTS["samples_per_site"],
+        "--samples-per-site", type=_at_least(20), metavar="M", default=_SPEC_DEFAULTS["samples_per_site"],
         help="mean windows per site, train + local test (default %(default)s)",
     )
-    gen.add_argument("--window", type=int, metavar="L", default=None,
+    gen.add_argument("--window", type=_at_least(64), metavar="L", default=None,
         help=f"samples per window (default {_SPEC_DEFAULTS['window']}, gearbox {gearbox.GearboxSpec.window})")
     gen.add_argument(
         "--family", choices=("bearing", "gearbox"), default="bearing",
@@ -119,7 +120,36 @@ def _parser() -> argparse.ArgumentParser:
     from .keys import add_commands as add_keys_commands  # noqa: PLC0415
 
     add_keys_commands(commands)  # fedind keys paillier
+
+    from .launch import add_commands as add_launch_commands  # noqa: PLC0415
+
+    add_launch_commands(commands)  # fedind check-config | run
     return parser
+
+
+def _at_least(minimum: int):
+    """argparse type: an int >= ``minimum``; the error names the option (argparse adds it)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 # --------------------------------------------------------------------------- data generate
@@ -225,6 +255,8 @@ def _check(args: argparse.Namespace) -> int:
     print(f"  sites         {len(info['sites'])}")
     print(f"  classes       {info['num_classes']}" + (f" ({', '.join(names)})" if names else ""))
     print(f"  sample shape  [C, L] = [{channels}, {length}]")
+    if warning := inferred_classes_warning(info):
+        print(f"  warning       {warning}")
     rows = [("site", "train", "test", "size")]
     for site in info["sites"]:
         folder = root / SITES_DIR / site

@@ -160,14 +160,18 @@ def train(msg: Message, context: Context) -> Message:
 
 def evaluate_global(msg: Message, context: Context) -> Message:
     """The final model on the site's own test split (of the last phase; labels beyond the
-    head count as errors)."""
+    head count as errors). A site without one scores nothing (``num-examples`` 0, no
+    accuracy): its training data would flatter the model, and the summary says so."""
     config = run_config_of(msg)
     site = load_site_data(context, config, config.phases - 1)
     model = receive_model(msg, site, config)
-    result = evaluate_known(model, site.test if site.test is not None else site.train, pick_device(config.device))
-    metrics = MetricRecord(
-        {wire.NUM_EXAMPLES: result.num_examples, "accuracy": result.accuracy, "loss": result.loss}
-    )
+    if site.test is None:
+        metrics = MetricRecord({wire.NUM_EXAMPLES: 0})
+    else:
+        result = evaluate_known(model, site.test, pick_device(config.device))
+        metrics = MetricRecord(
+            {wire.NUM_EXAMPLES: result.num_examples, "accuracy": result.accuracy, "loss": result.loss}
+        )
     content = RecordDict({wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
     return Message(content=content, reply_to=msg)
 

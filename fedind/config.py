@@ -7,6 +7,7 @@ below documents one. Invalid values fail here, before any round runs.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from collections.abc import Mapping
@@ -94,6 +95,7 @@ class RunConfig:
     checkpoint_seconds: float = 0.0  # also save when this many seconds passed since the last one (0 = off)
     checkpoint_keep: int = 3  # newest checkpoints kept in run-dir/<run-name>/checkpoints/
     resume: bool = False  # continue run-dir/<run-name> (newest run there if run-name is empty) from its newest valid checkpoint
+    overwrite: bool = False  # start over in a run-dir/<run-name> that holds results (false: a new run refuses it, and resume refuses one without a valid checkpoint)
     metrics_port: int = 0  # Prometheus /metrics of the server during a run (0 = off; fedind.monitoring)
     metrics_address: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = every interface)
     # Continual learning (fedind.continual): data arriving in phases, replay, EWC, new classes.
@@ -120,6 +122,7 @@ class RunConfig:
             "strategy": self.strategy in STRATEGIES,
             "fraction-train": 0 < self.fraction_train <= 1,
             "num-sites": self.num_sites >= 1,
+            "seed": self.seed >= 0,
             "dirichlet-alpha": math.isfinite(self.dirichlet_alpha) and self.dirichlet_alpha > 0,
             "samples-per-site": self.samples_per_site >= 20,
             "target-accuracy": 0 < self.target_accuracy <= 1,
@@ -297,7 +300,7 @@ class RunConfig:
         for key, value in run_config.items():
             name = key.replace("-", "_")
             if name not in fields:
-                raise ConfigError(f"Unknown run config key {key!r}")
+                raise ConfigError(f"Unknown run config key {key!r}{suggest_key(key)}")
             values[name] = _coerce(key, value, type(fields[name].default))
         return cls(**values)
 
@@ -341,6 +344,13 @@ RECIPE: dict[str, Any] = {
 def recipe(**overrides: Any) -> RunConfig:
     """The recipe's run config, with ``overrides`` (snake_case field names)."""
     return RunConfig(**{**RECIPE, **overrides})
+
+
+def suggest_key(key: str) -> str:
+    """``" (did you mean 'x'?)"`` for the run-config key closest to a mistyped ``key``, else ``""``."""
+    known = [f.name.replace("_", "-") for f in dataclasses.fields(RunConfig)]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:

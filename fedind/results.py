@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import platform
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -37,6 +38,18 @@ def rounds_to_target(accuracies: list[float], target: float) -> int | None:
         if accuracy >= target:
             return index
     return None
+
+
+def best_round(accuracies: list[float]) -> int | None:
+    """Index of the best scored round (NaN rounds are unscored: no global test set);
+    None when no round was scored."""
+    scored = [(a, -i) for i, a in enumerate(accuracies) if math.isfinite(a)]
+    return -max(scored)[1] if scored else None
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """``value``, or None for NaN/inf (summary.json is strict JSON: null, never NaN)."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def package_versions() -> dict[str, str]:

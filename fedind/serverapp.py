@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import random
+import shutil
 import time
 from dataclasses import asdict
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,13 @@ from .data.drift import phase_classes
 from .data.format import SiteArrays, validate_phases
 from .data.sources import check_data_root, global_test_set, phase_test_set, resolve_root
 from .data.synthetic import NUM_CLASSES
+from .diagnostics import FeatureLog, common_cause, failure_line, inferred_classes_warning, site_score
 from .expansion import head_classes
 from .metering import MeteredGrid, PerReply, Traffic
 from .monitoring import RunMonitor, code_version
 from .models import FaultCNN
 from .screening import UpdateScreen
-from .results import RoundRow, RunRecorder, package_versions, rounds_to_target, save_model
+from .results import RoundRow, RunRecorder, best_round, finite_or_none, package_versions, rounds_to_target, save_model
 from .rounds import run_rounds
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .training import evaluate, pick_device
@@ -42,7 +44,12 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_server(grid, RunConfig.from_flower(context.run_config))
+    try:
+        run_server(grid, RunConfig.from_flower(context.run_config))
+    except Exception as err:
+        # One line with the cause: under `flwr run` it is otherwise deep in a traceback.
+        log(ERROR, "fedind: the run failed: %s", failure_line(err))
+        raise
 
 
 def federation_shape(config: RunConfig) -> tuple[int, int, tuple[int, int]]:
@@ -50,6 +57,8 @@ def federation_shape(config: RunConfig) -> tuple[int, int, tuple[int, int]]:
     phases, every phase's batches). With phases, the classes are those of phase 0."""
     if config.data_root:
         info = check_data_root(config.data_root)
+        if warning := inferred_classes_warning(info):
+            log(WARNING, "data-root %s: %s", config.data_root, warning)
         if config.phases > 1:
             validate_phases(resolve_root(config.data_root), config.phases)
         return len(info["sites"]), int(info["num_classes"]), tuple(info["sample_shape"])
@@ -73,17 +82,23 @@ def wait_for_sites(grid: Grid, expected: int, timeout: float) -> list[int]:
 
 def run_server(grid: Grid, config: RunConfig) -> dict:
     num_sites, num_classes, (channels, _) = federation_shape(config)
+    folder = run_folder(config)
+    store = CheckpointStore(folder / "checkpoints", keep=config.checkpoint_keep)
+    # Before anything is written or waited for: results are never overwritten unasked.
+    checkpoint = resume_point(store, config) if config.resume else None
+    if checkpoint is None:
+        claim_run_folder(folder, config)
     # With phases the controller scores each phase's test set instead (fedind.continual).
     test_set = global_test_set(config.federation_spec(), config.data_root) if config.phases == 1 else None
+    if config.phases == 1 and test_set is None:
+        log(WARNING, "no global test set (%s has no test.npz): the server does not score the global model "
+            "(accuracy nan in rounds.csv); the summary has per-site scores only", config.data_root)
     node_ids = wait_for_sites(grid, num_sites, timeout=60.0)
     device = pick_device(config.device)
     torch.manual_seed(config.seed)
     random.seed(config.seed)  # Flower's strategies sample sites with `random`
     model = FaultCNN(in_channels=channels, num_classes=num_classes, width=config.model_width)
     initial = ArrayRecord(model.state_dict())
-    folder = run_folder(config)
-    store = CheckpointStore(folder / "checkpoints", keep=config.checkpoint_keep)
-    checkpoint = resume_point(store, config) if config.resume else None
     initial_classes = num_classes
     if checkpoint is not None and config.phases > 1:  # the head may have grown before the checkpoint
         num_classes = head_classes(checkpoint.arrays)
@@ -106,6 +121,10 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     alignment = None if config.alignment_threshold <= -1 else config.alignment_threshold
     screen = UpdateScreen(num_classes, alignment_threshold=alignment) if config.encryption == "none" else None
     metered = MeteredGrid(grid, transform=transform, screen=screen)
+    # A plain Flower ClientApp works too; say once which fedind features its replies switch off.
+    features = FeatureLog(config.strategy if config.dwa_weighting else "",
+                          alignment_on=screen is not None and alignment is not None)
+    last_failures: list[str] = []  # of the latest round that had any: the cause a failed run reports
     clock = {"round": time.monotonic(), "checkpoint": time.monotonic()}
     site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0, **saved.get("site_cpu", {})}
     run_config_json = json.dumps(config.to_flower())
@@ -147,6 +166,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
                 site_cpu["site_compress_cpu_seconds"] += float(reply.metrics.get(wire.COMPRESS_SECONDS, 0.0))
                 peak = float(reply.metrics.get(wire.PEAK_RSS_MB, 0.0))
                 site_cpu["site_peak_rss_mb"] = max(site_cpu.get("site_peak_rss_mb", 0.0), peak)
+            features.note(r for r in traffic.replies if r.message_type == MessageType.TRAIN)
             recorder.add(row)
             monitor.record_round(row)
             log(
@@ -157,8 +177,11 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             )
             for failure in traffic.failures:
                 log(WARNING, "  failed: %s", failure)
+            if traffic.failures:
+                last_failures[:] = traffic.failures
             if row.sites == 0:
-                log(WARNING, "round %d: no site update arrived; the global model is unchanged", server_round)
+                log(WARNING, "round %d: no site update arrived; the global model is unchanged (cause: %s)",
+                    server_round, common_cause(traffic.failures) or "no site was sampled")
         clock["round"] = time.monotonic()
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
@@ -193,7 +216,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         first_round=first_round,
         num_rounds=config.num_server_rounds,
         timeout=config.round_timeout,
-        train_config=ConfigRecord({wire.RUN_CONFIG: run_config_json}),
+        train_config=train_config(config, run_config_json),
         evaluate_fn=evaluate_round,
         min_sites=config.min_sites,
         after_round=checkpoint_round if (config.checkpoint_interval or config.checkpoint_seconds) else None,
@@ -209,7 +232,9 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     monitor.close()
     log(INFO, "%s", format_summary(summary, folder))
     if not any(row.sites for row in recorder.rows):
-        raise RuntimeError("no site update was aggregated in any round; see the failures logged above")
+        raise RuntimeError(
+            f"no site update was aggregated in any round; cause: {common_cause(last_failures) or 'no site replied'}"
+        )
     return summary
 
 
@@ -222,9 +247,54 @@ RESUMABLE_CHANGES = frozenset(
     {
         "resume", "run-name", "run-dir", "num-server-rounds", "round-timeout", "min-sites", "device",
         "checkpoint-interval", "checkpoint-seconds", "checkpoint-keep", "metrics-port", "metrics-address",
-        "paillier-public-key", "paillier-private-key",
+        "paillier-public-key", "paillier-private-key", "overwrite",
     }
 )
+
+# What a run writes into its folder; a folder holding any of the first four holds a run's
+# results, which a new run (not a resume) refuses to replace unless overwrite = true.
+RESULTS = ("summary.json", "rounds.csv", "model.safetensors", "checkpoints", "model.safetensors.sha256",
+           "progress.png", "phases.csv")
+
+
+def existing_results(folder: Path) -> list[str]:
+    """The names in ``folder`` that hold a run's results (an empty checkpoints folder holds none)."""
+    found = []
+    for name in RESULTS[:4]:
+        path = folder / name
+        if path.is_file() or (path.is_dir() and any(path.iterdir())):
+            found.append(name)
+    return found
+
+
+def claim_run_folder(folder: Path, config: RunConfig) -> None:
+    """Make ``folder`` ready for a run that starts at round 1. A folder that holds a run's
+    results is refused (ConfigError), unless ``overwrite``: then those results go first, so
+    that a stale checkpoint of the old run can never outrank the new run's or be resumed."""
+    found = existing_results(folder)
+    if not found:
+        return
+    if not config.overwrite:
+        raise ConfigError(
+            f"run folder {folder} already holds a run ({', '.join(found)}); choose another run-name, "
+            f"set resume = true to continue it, or overwrite = true to replace it"
+        )
+    log(WARNING, "overwrite = true: removing the results of the earlier run in %s", folder)
+    for name in RESULTS:
+        path = folder / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def train_config(config: RunConfig, run_config_json: str) -> ConfigRecord:
+    """What every train message carries: fedind's run config (its agent reads everything
+    from it) and the keys a Flower quickstart ClientApp reads (``lr``, ``local-epochs``;
+    ``lr`` is the run's starting rate: fedind's agent decays it, a plain client keeps it)."""
+    return ConfigRecord(
+        {wire.RUN_CONFIG: run_config_json, wire.LR: config.learning_rate, wire.LOCAL_EPOCHS: config.local_epochs}
+    )
 
 
 def run_folder(config: RunConfig) -> Path:
@@ -241,11 +311,22 @@ def run_folder(config: RunConfig) -> Path:
 
 def resume_point(store: CheckpointStore, config: RunConfig) -> Checkpoint | None:
     """The newest checkpoint that verifies and belongs to this run config (ConfigError if it
-    does not); None, logged, when there is none: the run starts at round 1."""
+    does not, or lies beyond num-server-rounds). With none, a ConfigError, unless
+    ``overwrite``: then None, logged, and the run starts over at round 1."""
     checkpoint = store.load_latest()
     if checkpoint is None:
-        log(WARNING, "resume: no valid checkpoint in %s; starting at round 1", store.folder)
+        if not config.overwrite:
+            raise ConfigError(
+                f"resume = true but there is nothing to resume: no valid checkpoint in {store.folder}; "
+                f"set resume = false for a new run, or overwrite = true to start this one over"
+            )
+        log(WARNING, "resume: no valid checkpoint in %s; overwrite = true: starting over at round 1", store.folder)
         return None
+    if checkpoint.round > config.num_server_rounds:
+        raise ConfigError(
+            f"cannot resume {checkpoint.path}: it is after round {checkpoint.round}, beyond "
+            f"num-server-rounds = {config.num_server_rounds}; set num-server-rounds >= {checkpoint.round}"
+        )
     saved = checkpoint.state.get("run_config", {})
     current = config.to_flower()
     changed = sorted(k for k in set(saved) | set(current) if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k))
@@ -298,17 +379,22 @@ def _round_row(server_round: int, accuracy: float, loss: float, traffic: Traffic
 def evaluate_at_sites(
     grid: MeteredGrid, node_ids: list[int], arrays: ArrayRecord, run_config_json: str, timeout: float
 ) -> dict[str, dict]:
-    """One evaluate round: every site scores the final model on its own test split."""
+    """One evaluate round: every site scores the final model on its own test split (a site
+    without one scores nothing; :func:`fedind.diagnostics.site_score` reads what each sent)."""
     content = RecordDict({wire.ARRAYS: arrays, wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: run_config_json})})
     messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in node_ids]
     grid.send_and_receive(messages, timeout=timeout)
     traffic = grid.take()
     for failure in traffic.failures:
         log(INFO, "final evaluation failed at %s", failure)
-    return {
-        r.site_id: {"accuracy": float(r.metrics["accuracy"]), "num_examples": int(r.metrics[wire.NUM_EXAMPLES])}
-        for r in sorted(traffic.replies, key=lambda r: r.site_id)
-    }
+    per_site = {r.site_id: site_score(r.metrics) for r in sorted(traffic.replies, key=lambda r: r.site_id)}
+    renamed = sorted({entry["reported_as"] for entry in per_site.values() if "reported_as" in entry})
+    if renamed:
+        log(INFO, "final evaluation: accuracy read from the sites' %s metric", ", ".join(map(repr, renamed)))
+    for site, entry in per_site.items():
+        if entry["accuracy"] is None:
+            log(WARNING, "final evaluation: site %s: %s", site, entry["note"])
+    return per_site
 
 
 def _finish(
@@ -324,15 +410,17 @@ def _finish(
     state = {name: array.numpy() for name, array in arrays.items()}
     digest = save_model(recorder.folder / "model.safetensors", state, {"format": "fedind.FaultCNN"})
     accuracies = [r.accuracy for r in recorder.rows]
-    best = int(np.nanargmax(accuracies)) if accuracies else 0
+    best = best_round(accuracies)  # None when no round was scored (no global test set)
     summary = {
         "run": recorder.folder.name,
         "rounds": len(recorder.rows),
         "sites": num_sites,
-        "final_accuracy": accuracies[-1] if accuracies else None,
-        "best_accuracy": accuracies[best] if accuracies else None,
-        "best_round": best + 1 if accuracies else None,
-        "initial_accuracy": recorder.initial_accuracy,
+        # false: no global test set, so accuracies are null and per_site is the only score
+        "global_test": best is not None or finite_or_none(recorder.initial_accuracy) is not None,
+        "final_accuracy": finite_or_none(accuracies[-1]) if accuracies else None,
+        "best_accuracy": accuracies[best] if best is not None else None,
+        "best_round": best + 1 if best is not None else None,
+        "initial_accuracy": finite_or_none(recorder.initial_accuracy),
         "target_accuracy": config.target_accuracy,
         "rounds_to_target": rounds_to_target(accuracies, config.target_accuracy),
         "totals": {
@@ -359,12 +447,16 @@ def format_summary(summary: dict, folder: Path) -> str:
     """The human-readable end of a run."""
     totals = summary["totals"]
     target = summary["rounds_to_target"]
+    def score(value) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
     lines = [
         "",
         f"fedind run '{summary['run']}' finished: {summary['rounds']} rounds, {summary['sites']} sites, "
         f"{totals['seconds']:.1f} s",
-        f"  global test accuracy   final {summary['final_accuracy']:.4f}   best {summary['best_accuracy']:.4f} "
-        f"(round {summary['best_round']})   initial {summary['initial_accuracy']:.4f}",
+        f"  global test accuracy   final {score(summary['final_accuracy'])}   best {score(summary['best_accuracy'])} "
+        f"(round {summary['best_round']})   initial {score(summary['initial_accuracy'])}"
+        if summary.get("global_test", True) else "  global test accuracy   none (no global test set: per-site scores only)",
         f"  target {summary['target_accuracy']:.2f}             "
         + (f"reached at round {target}" if target else "not reached"),
         f"  traffic                uplink {totals['uplink_bytes'] / 1e6:.2f} MB   downlink "
@@ -373,6 +465,7 @@ def format_summary(summary: dict, folder: Path) -> str:
         "  per-site accuracy of the final model (each site's own test split):",
     ]
     for site, info in summary["per_site"].items():
-        lines.append(f"    {site:<12} {info['accuracy']:.4f}  (n={info['num_examples']})")
+        lines.append(f"    {site:<12} {score(info['accuracy'])}  (n={info['num_examples']})"
+                     + (f"  {info['note']}" if "note" in info else ""))
     lines.append(f"  results in {folder}/ : rounds.csv summary.json model.safetensors progress.png")
     return "\n".join(lines)

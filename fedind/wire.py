@@ -14,6 +14,8 @@ AGGREGATE = "aggregate"  # ArrayRecord: decrypting site -> server, the decrypted
 # ConfigRecord keys, server -> site
 SERVER_ROUND = "server-round"  # set by Flower's strategies
 RUN_CONFIG = "run-config"  # JSON text of the run config (sites read hyperparameters from it)
+LR = "lr"  # the run's learning-rate, under the name Flower's quickstart ClientApps read
+LOCAL_EPOCHS = "local-epochs"  # the run's local-epochs, likewise (fedind's agent reads RUN_CONFIG)
 
 # MetricRecord keys, site -> server
 NUM_EXAMPLES = "num-examples"  # Flower's default weighting key

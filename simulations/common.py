@@ -20,6 +20,9 @@ def pyproject_run_config() -> dict:
 def parse_overrides(argv: list[str], base: dict | None = None) -> RunConfig:
     """``key=value`` pairs (TOML values, as in ``flwr run --run-config``) over pyproject's."""
     values = dict(pyproject_run_config() if base is None else base)
+    # Benchmarks reuse finished runs (finished()) and start the others over, replacing what
+    # an interrupted attempt left in their folders: overwrite, unless the command line says.
+    values["overwrite"] = True
     for item in argv:
         key, sep, raw = item.partition("=")
         if not sep:

@@ -398,6 +398,8 @@ def test_validate_data_root_summary(tmp_path):
         "sample_shape": [2, 16],
         "num_train": {"a": 4, "b": 5},
         "has_global_test": True,
+        "num_classes_from": "meta.json",
+        "absent_labels": [3, 4],  # K = 3 labels in the data, 5 declared
     }
 
 

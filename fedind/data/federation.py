@@ -71,15 +71,24 @@ def site_label_sets(spec: FederationSpec, num_classes: int = NUM_CLASSES) -> tup
 
     per_class = spec.num_sites * spec.samples_per_site // num_classes
     pool = Dataset.from_dict({"label": np.repeat(np.arange(num_classes), per_class)})
+    min_size = max(1, min(20, per_class * num_classes // (2 * spec.num_sites)))
     partitioner = DirichletPartitioner(
         num_partitions=spec.num_sites,
         partition_by="label",
         alpha=spec.alpha,
-        min_partition_size=max(1, min(20, per_class * num_classes // (2 * spec.num_sites))),
+        min_partition_size=min_size,
         self_balancing=False,
         seed=spec.seed,
     )
     partitioner.dataset = pool
+    try:
+        partitioner.load_partition(0)  # draws the whole split
+    except ValueError as err:  # flwr-datasets: "... update the values of alpha": say what it means here
+        raise ValueError(
+            f"too few windows per site: {per_class * num_classes} windows ({spec.samples_per_site} per site) "
+            f"could not be split among {spec.num_sites} sites with alpha {spec.alpha:g} so that each gets at "
+            f"least {min_size}; raise samples-per-site or alpha, or use fewer sites ({err})"
+        ) from err
     return tuple(
         np.asarray(partitioner.load_partition(i)["label"], dtype=np.int64)
         for i in range(spec.num_sites)

@@ -354,25 +354,32 @@ def infer_num_classes(data_root: PathLike) -> int:
 def validate_data_root(data_root: PathLike) -> dict:
     """Check the whole tree (meta, every split, one ``(C, L)``, labels) and summarise it.
 
-    Returns ``{"sites", "num_classes", "sample_shape", "num_train", "has_global_test"}``.
+    Returns ``{"sites", "num_classes", "sample_shape", "num_train", "has_global_test",
+    "num_classes_from", "absent_labels"}``: ``num_classes_from`` is ``"meta.json"`` or
+    ``"labels"`` (1 + the largest label, when meta.json declares no class count), and
+    ``absent_labels`` lists the labels below ``num_classes`` that no split holds (with an
+    inferred count, a long run of them usually means one stray label).
     """
     root = _root(data_root)
     sites = list_sites(root)
     num_classes = _declared_num_classes(load_meta(root))
     sample_shape = None
-    max_label = -1
+    present: set[int] = set()
     num_examples: dict[Path, int] = {}
     for path in _split_paths(root, sites):
         arrays = load_split(path, num_classes, sample_shape)
         sample_shape = arrays.sample_shape
-        max_label = max(max_label, int(arrays.y.max()))
+        present.update(int(label) for label in np.unique(arrays.y))
         num_examples[path] = arrays.num_examples
+    classes = num_classes if num_classes is not None else max(present) + 1
     return {
         "sites": sites,
-        "num_classes": num_classes if num_classes is not None else max_label + 1,
+        "num_classes": classes,
         "sample_shape": list(sample_shape),
         "num_train": {site: num_examples[root / SITES_DIR / site / TRAIN_FILE] for site in sites},
         "has_global_test": (root / TEST_FILE).exists(),
+        "num_classes_from": META_FILE if num_classes is not None else "labels",
+        "absent_labels": sorted(set(range(classes)) - present),
     }
 
 
