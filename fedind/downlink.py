@@ -14,8 +14,9 @@ the head grew) receives the whole ``P_t``. The sites train from ``P_t``; their u
 deltas, which the server adds to ``G_t``, so the strategy steps from its own model as usual.
 
 Other array records of a train message that a site already holds (the EWC Fisher and
-anchors, unchanged for a whole phase) are replaced by their digest; the site restores them
-from its copy. A site whose copy does not match a digest answers with an error reply
+anchors, unchanged for a whole phase), and the run config text, are replaced by their
+digest; the site restores them from its copy. Mostly-zero records (a focused Fisher) travel
+packed (:func:`pack_sparse`), both ways. A site whose copy does not match a digest answers with an error reply
 (:data:`STALE_DOWNLINK`) and gets everything whole next round.
 """
 
@@ -35,6 +36,7 @@ STALE_DOWNLINK = 1004  # Error code of a site reply: it does not hold the base a
 BROADCAST = "downlink-model"  # context.state ArrayRecord: the site's copy of the broadcast model P
 HELD = "downlink-held"  # context.state ConfigRecord: digest of each record the site holds, by name
 CACHED_PREFIX = "downlink-cache:"  # context.state ArrayRecord per cached record name
+CACHED_RUN_CONFIG = "downlink-run-config"  # context.state ConfigRecord: the run config text the site holds
 # Messages whose global model travels as a step: train rounds and the phase-end query (the
 # final evaluation is sent whole, once).
 MODEL_MESSAGES = (MessageType.TRAIN, wire.PHASE_END)
@@ -48,6 +50,10 @@ def digest(arrays: Mapping[str, np.ndarray]) -> str:
         h.update(f"{name}|{a.dtype.str}|{a.shape};".encode())
         h.update(a.tobytes())
     return h.hexdigest()[:24]
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def step_toward(
@@ -178,6 +184,13 @@ class CompressedDownlink:
             elif (packed := pack_sparse(values)) is not None:
                 del content[name]
                 content[f"{wire.SPARSE_RECORD}{name}"] = _record(packed)
+        config = message.content.config_records.get(wire.CONFIG)
+        if config is not None and wire.RUN_CONFIG in config:  # the same JSON text every round
+            token = text_digest(str(config[wire.RUN_CONFIG]))
+            sent[wire.RUN_CONFIG] = token
+            if holds.get(wire.RUN_CONFIG) == token:
+                content[wire.CONFIG] = ConfigRecord({k: v for k, v in config.items() if k != wire.RUN_CONFIG})
+                downlink[f"{wire.CACHED_RECORD}{wire.RUN_CONFIG}"] = token
         content[wire.DOWNLINK] = ConfigRecord(downlink)
         self._sent[node] = sent
         self._rebase[node] = self._gap
@@ -294,8 +307,18 @@ def _rebuild(msg: Message, context: Context) -> Message:
         raise StaleDownlink(f"rebuilt model {digest(model)!r} != {token!r}")
     context.state[BROADCAST] = _record(model)
     held_tokens[wire.ARRAYS] = token
+    cached_config = downlink.get(f"{wire.CACHED_RECORD}{wire.RUN_CONFIG}")
+    config = dict(msg.content.config_records.get(wire.CONFIG, {}))
+    if cached_config is not None:
+        held_text = context.state.config_records.get(CACHED_RUN_CONFIG, {}).get(wire.RUN_CONFIG)
+        if held_text is None or held_tokens.get(wire.RUN_CONFIG) != cached_config:
+            raise StaleDownlink(f"holds no copy {cached_config!r} of the run config")
+        content[wire.CONFIG] = ConfigRecord({**config, wire.RUN_CONFIG: held_text})
+    elif wire.RUN_CONFIG in config:
+        context.state[CACHED_RUN_CONFIG] = ConfigRecord({wire.RUN_CONFIG: str(config[wire.RUN_CONFIG])})
+        held_tokens[wire.RUN_CONFIG] = text_digest(str(config[wire.RUN_CONFIG]))
     for key, value in downlink.items():
-        if not key.startswith(wire.CACHED_RECORD):
+        if not key.startswith(wire.CACHED_RECORD) or key == f"{wire.CACHED_RECORD}{wire.RUN_CONFIG}":
             continue
         name = key[len(wire.CACHED_RECORD):]
         cached = context.state.array_records.get(CACHED_PREFIX + name)

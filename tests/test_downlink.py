@@ -207,3 +207,22 @@ def test_a_focused_ewc_record_goes_packed_and_the_site_gets_it_dense():
     for name in g:
         np.testing.assert_array_equal(site.seen.content[wire.EWC_FISHER][name].numpy(), fisher[name])
         np.testing.assert_array_equal(site.seen.content[wire.EWC_ANCHORS][name].numpy(), anchors[name])
+
+
+def test_the_run_config_text_is_sent_once_and_restored_from_the_sites_copy():
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    g, text = arrays(0), json.dumps(RunConfig().to_flower())
+
+    def with_config(server_round):
+        message = train_message(g, server_round)
+        message.content[wire.CONFIG] = ConfigRecord({wire.RUN_CONFIG: text, wire.SERVER_ROUND: server_round})
+        return message
+
+    message = with_config(1)
+    server(message, site.answer(send(server, message), arrays(9, 0.0)))
+    server.settle({NODE})
+    on_wire = send(server, with_config(2))
+    assert wire.RUN_CONFIG not in on_wire.content[wire.CONFIG]
+    site.answer(on_wire, arrays(9, 0.0))
+    assert site.seen.content[wire.CONFIG][wire.RUN_CONFIG] == text
+    assert site.seen.content[wire.CONFIG][wire.SERVER_ROUND] == 2
