@@ -146,7 +146,8 @@ class CompressedDownlink:
         self.held: dict[int, dict[str, str]] = {}  # node -> {record name: digest} it holds
         self._round_key: tuple | None = None  # (server round, id of the global ArrayRecord) P_t was made for
         self._gap: dict[str, np.ndarray] = {}  # G_t - P_t
-        self._step: tuple[str, bytes | None, str] | None = None  # (base digest, payload, new digest)
+        # (base digest, step payload or None, names sent whole with the step, new digest)
+        self._step: tuple[str, bytes | None, list[str], str] | None = None
         self._sent: dict[int, dict[str, str]] = {}  # node -> what this round's message gives it
         self._rebase: dict[int, dict[str, np.ndarray]] = {}  # node -> G_t - P_t for dense replies
         self._answered: set[int] = set()  # nodes whose site answered this round's message
@@ -162,13 +163,16 @@ class CompressedDownlink:
         if self._round_key != key:  # first message of a round: move P once
             self._advance(_numpy(global_record))
             self._round_key = key
-        base, payload, new = self._step
+        base, payload, whole, new = self._step
         holds = self.held.get(node, {})
         content = RecordDict({k: v for k, v in message.content.items() if k != wire.ARRAYS})
         downlink = {wire.TOKEN: new}
         if payload is not None and holds.get(wire.ARRAYS) == base:
             downlink[wire.DOWNLINK_BASE] = base
+            downlink[wire.DOWNLINK_ORDER] = list(self.broadcast)
             content[wire.DOWNLINK_STEP] = to_record(payload)
+            if whole:
+                content[wire.DOWNLINK_WHOLE] = _record({k: self.broadcast[k] for k in whole})
         else:
             content[wire.ARRAYS] = _record(self.broadcast)
         sent = {wire.ARRAYS: new}
@@ -198,21 +202,25 @@ class CompressedDownlink:
         return message
 
     def _advance(self, target: dict[str, np.ndarray]) -> None:
-        """P_{t-1} -> P_t toward ``target`` (G_t); whole when the layout changed."""
-        previous = self.broadcast
-        same_layout = previous is not None and {k: v.shape for k, v in previous.items()} == {
-            k: v.shape for k, v in target.items()
-        }
-        if same_layout and _is_float_model(target) and self.ratio < 1:
-            base = digest(previous)
+        """P_{t-1} -> P_t toward ``target`` (G_t): a step over the arrays whose shape is
+        unchanged; arrays that are new or changed shape (a grown head) go whole."""
+        previous = self.broadcast or {}
+        kept = [k for k in target if k in previous and previous[k].shape == target[k].shape]
+        whole = [k for k in target if k not in kept]
+        step = None
+        if kept and set(previous) <= set(target) and _is_float_model(target) and self.ratio < 1:
             try:
-                payload, self.broadcast = step_toward(previous, target, self.ratio, self.mode)
+                step, moved = step_toward({k: previous[k] for k in kept}, {k: target[k] for k in kept}, self.ratio, self.mode)
             except ValueError:  # a non-finite gap: send the model whole
-                payload, self.broadcast = None, {k: np.array(v, copy=True) for k, v in target.items()}
-            self._step = (base, payload, digest(self.broadcast))
-        else:
+                step = None
+        if step is None:
+            self._step = ("", None, [], None)
             self.broadcast = {k: np.array(v, copy=True) for k, v in target.items()}
-            self._step = ("", None, digest(self.broadcast))
+        else:
+            base = digest(previous)
+            self.broadcast = {k: moved[k] if k in moved else np.array(target[k], copy=True) for k in target}
+            self._step = (base, step, whole, None)
+        self._step = self._step[:3] + (digest(self.broadcast),)
         self._gap = {k: (target[k].astype(np.float32) - self.broadcast[k]) for k in target if target[k].dtype.kind == "f"}
 
     # -------------------------------------------------------------- replies
@@ -293,13 +301,21 @@ def _rebuild(msg: Message, context: Context) -> Message:
     msg = _with_unpacked(msg)
     downlink = msg.content.config_records[wire.DOWNLINK]
     token = str(downlink[wire.TOKEN])
-    content = RecordDict({k: v for k, v in msg.content.items() if k not in (wire.DOWNLINK, wire.DOWNLINK_STEP)})
+    content = RecordDict(
+        {k: v for k, v in msg.content.items() if k not in (wire.DOWNLINK, wire.DOWNLINK_STEP, wire.DOWNLINK_WHOLE)}
+    )
     held_tokens = dict(context.state.config_records.get(HELD, ConfigRecord({})))
     if wire.DOWNLINK_BASE in downlink:
         base = str(downlink[wire.DOWNLINK_BASE])
         if BROADCAST not in context.state.array_records or held_tokens.get(wire.ARRAYS) != base:
             raise StaleDownlink(f"holds model {held_tokens.get(wire.ARRAYS)!r}, the step is from {base!r}")
-        model = apply_step(_numpy(context.state[BROADCAST]), from_record(msg.content[wire.DOWNLINK_STEP]))
+        whole = _numpy(msg.content[wire.DOWNLINK_WHOLE]) if wire.DOWNLINK_WHOLE in msg.content.array_records else {}
+        order = [str(k) for k in downlink[wire.DOWNLINK_ORDER]]
+        held = _numpy(context.state[BROADCAST])
+        if any(k not in held for k in order if k not in whole):
+            raise StaleDownlink(f"the step covers arrays the held model lacks ({sorted(set(order) - set(held) - set(whole))})")
+        moved = apply_step({k: held[k] for k in order if k not in whole}, from_record(msg.content[wire.DOWNLINK_STEP]))
+        model = {k: whole[k] if k in whole else moved[k] for k in order}
         content[wire.ARRAYS] = _record(model)
     else:
         model = _numpy(msg.content[wire.ARRAYS])

@@ -160,13 +160,22 @@ def test_records_the_site_holds_are_sent_once_and_restored_from_its_copy():
     assert wire.EWC_FISHER in send(server, train_message(g, 3, {wire.EWC_FISHER: changed})).content.array_records
 
 
-def test_a_grown_head_sends_the_whole_model():
+def test_a_grown_head_goes_whole_and_the_rest_of_the_model_as_a_step():
     server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
-    message = train_message(arrays(0), 1)
+    g = arrays(0)
+    message = train_message(g, 1)
     server(message, site.answer(send(server, message), arrays(9, 0.0)))
     server.settle({NODE})
-    grown = dict(SHAPES, **{"head.weight": (11, 128), "head.bias": (11,)})
-    assert wire.ARRAYS in send(server, train_message(arrays(1, shapes=grown), 2)).content.array_records
+    grown_shapes = dict(SHAPES, **{"head.weight": (11, 128), "head.bias": (11,)})
+    grown = {**arrays(1, shapes=grown_shapes), "conv.weight": g["conv.weight"] + 0.01}
+    on_wire = send(server, train_message(grown, 2))
+    assert wire.ARRAYS not in on_wire.content.array_records
+    assert set(on_wire.content[wire.DOWNLINK_WHOLE].keys()) == {"head.weight", "head.bias"}
+    site.answer(on_wire, arrays(9, 0.0) | {"head.weight": np.zeros((11, 128), np.float32), "head.bias": np.zeros(11, np.float32)})
+    rebuilt = {k: v.numpy() for k, v in site.seen.content[wire.ARRAYS].items()}
+    assert list(rebuilt) == list(grown)
+    assert digest(rebuilt) == digest(server.broadcast)
+    np.testing.assert_array_equal(rebuilt["head.bias"], grown["head.bias"])
 
 
 def test_downlink_config_is_checked():
