@@ -31,7 +31,7 @@ from .continual_app import (
 from .data.format import DataFormatError
 from .data.sources import SiteData, site_from_dir, site_from_partition
 from .downlink import downlink_mod
-from .ewc import diagonal_fisher
+from .ewc import diagonal_fisher, focus
 from .models import FaultCNN
 from .training import cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts
 from .site_state import run_scope_mod, state_mod
@@ -202,6 +202,7 @@ def phase_end(msg: Message, context: Context) -> Message:
             metrics[wire.WINDOWS_SEEN] = buffer.seen  # the batch is now offered
     if config.ewc_lambda and data.num_examples:
         fisher = diagonal_fisher(model, data, device, seed=seed % 2**31)
+        fisher, _ = focus(fisher, fisher, config.ewc_keep)  # the server keeps that share of the sum too
         content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
     content[wire.METRICS] = metrics
     return Message(content=content, reply_to=msg)

@@ -112,6 +112,7 @@ class RunConfig:
     ewc_lambda: float = 0.0  # EWC penalty weight at the sites (0 = off)
     ewc_gamma: float = 1.0  # online EWC: Fisher of earlier phases is scaled by gamma at each consolidation
     ewc_server_lambda: float = 0.0  # server damps each coordinate's drift from its anchor by 1/(1 + this*F) (0 = off)
+    ewc_keep: float = 1.0  # EWC: share of the Fisher's coordinates kept at each consolidation (the largest; 1 = all)
 
     def __post_init__(self) -> None:
         checks = {
@@ -181,6 +182,7 @@ class RunConfig:
             "ewc-lambda": math.isfinite(self.ewc_lambda) and self.ewc_lambda >= 0,
             "ewc-gamma": 0 <= self.ewc_gamma <= 1,
             "ewc-server-lambda": math.isfinite(self.ewc_server_lambda) and self.ewc_server_lambda >= 0,
+            "ewc-keep": 0 < self.ewc_keep <= 1,
         }
         for key, ok in checks.items():
             if not ok:
@@ -334,6 +336,7 @@ RECIPE: dict[str, Any] = {
     "downlink": "topk",  # sparse steps of a mirrored model; whole models to sites that missed rounds
     "replay_samples": 256,  # bounded replay buffer (replay-share caps it at 10 % of a line's windows)
     "ewc_lambda": 1.0,  # EWC consolidation at phase ends
+    "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)
     # the plant scenario: two phases, half the lines change speed, a new fault class at one line
     "phases": 2,
     "phase_rounds": 20,
