@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -230,10 +231,17 @@ def test_resume_without_a_name_picks_the_run_with_the_newest_checkpoint(tmp_path
 
 _CHILD = textwrap.dedent(
     """
-    import sys
+    import logging, sys
     from fedind.config import RunConfig
     from fedind.simulation import simulate
-    simulate(RunConfig(**{k: v for k, v in __import__("json").loads(sys.argv[1]).items()}))
+
+    class Saved(logging.Handler):  # one line on stdout per checkpoint saved: the parent waits on it
+        def emit(self, record):
+            if record.getMessage().startswith("checkpoint of round "):
+                print(record.getMessage().split()[3], flush=True)
+
+    logging.getLogger("flwr").addHandler(Saved())
+    simulate(RunConfig(**{k: v for k, v in __import__("json").loads(sys.argv[1]).items()}), runtime="loopback")
     """
 )
 
@@ -241,35 +249,46 @@ _CHILD = textwrap.dedent(
 def test_sigkilled_server_resumes_and_finishes_bit_identical(tmp_path):
     """A run killed mid-round (SIGKILL of the whole simulation process group), whose newest
     checkpoint is then truncated, resumes from the one before and ends with exactly the
-    model of an uninterrupted run: on CPU the whole run is deterministic given the seed."""
+    model of an uninterrupted run: on CPU the whole run is deterministic given the seed.
+    The runs use the loopback runtime (fedind.loopback: server and sites in one process;
+    that process is the one killed); tests/test_server_resume_e2e.py kills a deployed
+    ServerApp under a real SuperLink."""
     from fedind.simulation import simulate
 
     base = dict(num_server_rounds=5, num_sites=3, samples_per_site=40, local_epochs=1, run_dir=str(tmp_path))
-    clean = simulate(RunConfig(run_name="clean", **base))
+    clean = simulate(RunConfig(run_name="clean", **base), runtime="loopback")
 
     killed = {**base, "run_name": "killed"}
     checkpoints = tmp_path / "killed" / "checkpoints"
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, json.dumps(killed)],
-        start_new_session=True,  # its own process group: the kill takes Ray's workers too
-        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: the kill takes everything it started
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
-        deadline = time.monotonic() + 240
-        while not (checkpoints / "round-000003").is_dir():
-            assert child.poll() is None, "the run to be killed ended early"
-            assert time.monotonic() < deadline, "no checkpoint of round 3 in time"
-            time.sleep(0.05)
+        # Wait (no polling) for the child's line saying the checkpoint of round 3 is saved.
+        with selectors.DefaultSelector() as selector:
+            selector.register(child.stdout, selectors.EVENT_READ)
+            deadline = time.monotonic() + 240
+            while True:
+                assert selector.select(timeout=max(0.0, deadline - time.monotonic())), "no checkpoint of round 3 in time"
+                line = child.stdout.readline()
+                assert line, "the run to be killed ended early"
+                if int(line) >= 3:
+                    break
+        assert (checkpoints / "round-000003").is_dir()
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
+        child.stdout.close()
     assert not (tmp_path / "killed" / "summary.json").exists()
     newest = max(CheckpointStore(checkpoints).rounds())
     assert 3 <= newest < 5
     _corrupt_truncate(checkpoints / f"round-{newest:06d}")  # and the newest checkpoint is torn
 
-    resumed = simulate(RunConfig(resume=True, **killed))
+    resumed = simulate(RunConfig(resume=True, **killed), runtime="loopback")
     assert resumed["rounds"] == 5
     rows = (tmp_path / "killed" / "rounds.csv").read_text().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == [1, 2, 3, 4, 5]

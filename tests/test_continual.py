@@ -3,7 +3,8 @@ layout, the head's growth through strategy state, and a short two-phase simulati
 grows at every site, replay stays bounded, EWC Fisher and anchors survive a resume).
 
 Unit tests of the buffer, the Fisher, the penalty and the head expansion themselves are in
-tests/test_replay.py and tests/test_ewc.py. Two ``simulate`` calls (~15-25 s each on 2 cores).
+tests/test_replay.py and tests/test_ewc.py. Two ``simulate`` calls on the loopback runtime
+(fedind.loopback, no Ray start: a few seconds each on 2 cores).
 """
 
 from __future__ import annotations
@@ -344,7 +345,7 @@ def _rows(path: Path) -> list[dict]:
 def two_phase_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs")
     config = RunConfig(**SHORT, run_dir=str(run_dir), run_name="cl")
-    return simulate(config), run_dir / "cl", config
+    return simulate(config, runtime="loopback"), run_dir / "cl", config
 
 
 def test_the_head_grows_and_every_site_adopts_it(two_phase_run):
@@ -384,7 +385,7 @@ def test_ewc_state_is_checkpointed_and_survives_a_resume(two_phase_run):
     assert saved.round == 3 and ewc["phases"] == 1
     assert ewc["fisher"]["head.weight"].shape[0] == NUM_CLASSES  # padded when the head grew
     assert not ewc["fisher"]["head.weight"][NUM_CLASSES - 1].any()  # the new row is unconstrained
-    resumed = simulate(replace(config, resume=True, num_server_rounds=4))
+    resumed = simulate(replace(config, resume=True, num_server_rounds=4), runtime="loopback")
     assert resumed["rounds"] == 4 and resumed["continual"]["classes"] == NUM_CLASSES
     again = CheckpointStore(folder / "checkpoints").load_latest()
     assert again.round == 4

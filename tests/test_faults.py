@@ -1,13 +1,14 @@
 """Fault injection: bad updates in a real simulation, a site killed mid-round in a deployment.
 
-1. In-process simulation (Flower's Simulation Runtime, Ray): the site with partition-id 0
+1. In-process simulation (the loopback runtime, fedind.loopback: the same ClientApp, mods
+   and server, the sites called in this process): the site with partition-id 0
    sends a different bad update every round (NaN, +Inf, wrong shape, float64, int32, a
    sparse payload with an out-of-range index, a 1e6x scaled update, two lying label
    histograms, zero and 1000x inflated ``num-examples``). Each must be rejected by the
    server with the right reason; the model stays finite and is bit for bit the model of a
    run in which site 0 sends nothing at all (its train handler crashes every round): the
    bad updates had no influence whatever. The clean run (no attacker) says what losing
-   site 0's update costs. About 1.5 minutes on 2 busy cores (three Ray starts).
+   site 0's update costs. About 10 s on 2 busy cores (three runs, no Ray start).
 2. Deployment (``deployment`` marker, fedind.deploy_harness): three SuperNodes over TLS;
    one is SIGKILLed while it trains; the round ends at ``round-timeout`` with the other two,
    records the failure once and the run goes on; the agent, restarted once Flower counts
@@ -276,7 +277,7 @@ def read_rounds(folder: Path) -> list[dict[str, str]]:
 
 class Failures(logging.Handler):
     """The server's "failed: node ...: reason" lines, by round (the server runs in this
-    process during a simulation, on a thread)."""
+    process during a simulation)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -307,7 +308,7 @@ def fault_runs(tmp_path_factory):
         started = time.monotonic()
         try:
             config = RunConfig(**SMALL, run_dir=str(run_dir), run_name=name)
-            summary = simulate(config, client_app=faulty_app(kinds) if kinds else None)
+            summary = simulate(config, client_app=faulty_app(kinds) if kinds else None, runtime="loopback")
         finally:
             flwr_logger.removeHandler(handler)
         runs[name] = {

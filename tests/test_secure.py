@@ -368,27 +368,44 @@ def test_the_server_refuses_a_private_key_file_and_missing_key(key_files, site_s
     assert REJECTED_CIPHERTEXT != SITE_KEY_MISSING
 
 
-# --------------------------------------------------------------------------- end to end (Ray)
+# --------------------------------------------------------------------------- end to end
 
 
-def test_simulation_end_to_end_without_the_server_loading_the_private_key(tmp_path, monkeypatch, key_files):
+def test_simulation_end_to_end_without_the_server_loading_the_private_key(ray_runs):
     """The ServerApp runs in this process, the sites in Ray workers: with private keys
-    forbidden in this process, the run still aggregates every round."""
+    forbidden in this process, the run still aggregates every round. (The run is one of
+    the suite's single Ray start: ``ray_runs["encrypted"]``, conftest.py, which forbids
+    ``crypto.load_private_key`` and ``crypto.PrivateKey.__init__`` here while Ray runs.)"""
+    config = ray_runs["configs"]["encrypted"]
+    assert (config.strategy, config.encryption, config.num_server_rounds, config.num_sites) == ("dwa", "paillier", 2, 3)
+    assert ray_runs["private_key_loads"] == []
+    summary = ray_runs["encrypted"]
+    rows = (ray_runs["run_dir"] / "encrypted" / "rounds.csv").read_text().splitlines()[1:]
+    assert summary["rounds"] == 2 and summary["totals"]["failures"] == 0
+    assert all(row.split(",")[5] == "3" for row in rows)  # sites aggregated per round
+
+
+def test_loopback_simulation_keeps_the_private_key_inside_the_site_agent(tmp_path, key_files, site_side):
+    """The same run on the loopback runtime (sites called in this process): the private key
+    is read and built only inside the site agent's ClientApp call, never by the server's code."""
+    from fedind.clientapp import app
     from fedind.simulation import simulate
 
     _, private_path, public_path = key_files
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the server process touched a Paillier private key")
+    def site_agent(message, context):
+        site_side["site"] = True
+        try:
+            return app(message, context)
+        finally:
+            site_side["site"] = False
 
-    monkeypatch.setattr(crypto, "load_private_key", forbidden)
-    monkeypatch.setattr(crypto.PrivateKey, "__init__", forbidden)
     cfg = RunConfig(
         num_server_rounds=2, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
         model_width=8, device="cpu", strategy="dwa", encryption="paillier", paillier_public_key=str(public_path),
         paillier_private_key=str(private_path), run_dir=str(tmp_path), run_name="enc",
     )
-    summary = simulate(cfg)
+    summary = simulate(cfg, client_app=site_agent, runtime="loopback")
     rows = (tmp_path / "enc" / "rounds.csv").read_text().splitlines()[1:]
     assert summary["rounds"] == 2 and summary["totals"]["failures"] == 0
     assert all(row.split(",")[5] == "3" for row in rows)  # sites aggregated per round

@@ -1,6 +1,9 @@
-"""End to end: the Flower app in Flower's Simulation Runtime (Ray), small and on CPU.
+"""End to end: the Flower app in a whole simulated federation, small and on CPU.
 
-Each ``simulate`` call starts and stops Ray (~10-15 s on 2 cores).
+The runs use the loopback runtime (fedind.loopback: the sites are called in this process,
+no start-up). Flower's Simulation Runtime (Ray, ~10-15 s to start on 2 cores) runs once
+for the whole suite (``ray_runs`` in conftest.py); the determinism test here checks that
+both runtimes give the same model, bit for bit.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def generate(out: Path, sites: int = 3) -> Path:
 def short_run(tmp_path_factory) -> tuple[dict, Path, RunConfig]:
     run_dir = tmp_path_factory.mktemp("runs")
     config = RunConfig(**SHORT, run_dir=str(run_dir), run_name="short")
-    summary = simulate(config)
+    summary = simulate(config, runtime="loopback")
     return summary, run_dir / "short", config
 
 
@@ -136,7 +139,7 @@ def test_run_on_a_data_root_written_by_the_cli(tmp_path):
         (root / "sites" / old).rename(root / "sites" / new)
     config = RunConfig(**{**SHORT, "num_server_rounds": 2}, data_root=str(root),
                        run_dir=str(tmp_path / "runs"), run_name="plant")
-    summary = simulate(config)
+    summary = simulate(config, runtime="loopback")
     assert summary["rounds"] == 2 and summary["sites"] == 3
     assert sorted(summary["per_site"]) == ["assembly", "paint-shop", "press"]
     for site, info in summary["per_site"].items():
@@ -191,28 +194,41 @@ def test_a_malformed_data_root_fails_before_round_1(good_root, tmp_path, breaker
 
     # simulate() checks before starting Ray (flwr's run_simulation would re-raise the
     # ServerApp thread's exception too, but only after starting the runtime): it raises
-    # at once and leaves no results behind.
-    started = time.monotonic()
-    with pytest.raises(DataFormatError, match=phrase):
-        simulate(config)
-    assert time.monotonic() - started < 5
-    assert not (tmp_path / "runs").exists()
+    # at once and leaves no results behind. So does the loopback runtime.
+    for runtime in ("ray", "loopback"):
+        started = time.monotonic()
+        with pytest.raises(DataFormatError, match=phrase):
+            simulate(config, runtime=runtime)
+        assert time.monotonic() - started < 5
+        assert not (tmp_path / "runs").exists()
 
 
 # --------------------------------------------------------------------------- determinism
 
 
-def test_same_seed_gives_a_bit_identical_model_on_cpu_alone_or_batched(tmp_path):
+def test_same_seed_gives_a_bit_identical_model_on_cpu_alone_or_batched(tmp_path, ray_runs):
     """docs/overview.md: deterministic on CPU for a seed (replies are aggregated in site order).
     ``simulate_many`` runs the same config twice in one simulation with the same result:
     top-k keeps error-feedback residuals in the sites' ``context.state``, and the second
-    run starts without the first's (``run_scope_mod``)."""
+    run starts without the first's (``run_scope_mod``); the first run of a fresh simulation
+    is a run alone. The same holds on both runtimes, and they agree bit for bit: Flower's
+    Simulation Runtime (Ray: ``ray_runs["first"]``, ``["second"]``, conftest.py) and the
+    loopback grid (one torch thread per site, as a Ray actor with one CPU has)."""
     config = RunConfig(**{**SHORT, "num_server_rounds": 2}, compression="topk", topk_ratio=0.05,
                        run_dir=str(tmp_path))
-    alone = simulate(replace(config, run_name="alone"))["model_sha256"]
-    batched = simulate_many([replace(config, run_name=name) for name in ("first", "second")])
-    assert [s["model_sha256"] for s in batched] == [alone, alone]
+    ray = [ray_runs[name] for name in ("first", "second")]
+    assert all(replace(config, run_name=name) == replace(ray_runs["configs"][name], run_dir=str(tmp_path))
+               for name in ("first", "second"))  # the same config
+    assert [s["run"] for s in ray] == ["first", "second"]
+    assert ray[0]["model_sha256"] == ray[1]["model_sha256"]
+    alone = simulate(replace(config, run_name="alone"), runtime="loopback")["model_sha256"]
+    batched = simulate_many([replace(config, run_name=name) for name in ("first", "second")], runtime="loopback")
+    assert [s["model_sha256"] for s in batched] == [alone, alone] == [s["model_sha256"] for s in ray]
     assert [s["run"] for s in batched] == ["first", "second"]
+    # They agree on the scores and on the uplink, byte for byte (the downlink carries the
+    # run config, which names the run folder: that differs).
+    assert [s["final_accuracy"] for s in batched] == [s["final_accuracy"] for s in ray]
+    assert [s["totals"]["uplink_bytes"] for s in batched] == [s["totals"]["uplink_bytes"] for s in ray]
 
 
 def test_simulate_many_refuses_runs_it_cannot_share(tmp_path):
@@ -221,6 +237,8 @@ def test_simulate_many_refuses_runs_it_cannot_share(tmp_path):
         simulate_many([config, config])
     with pytest.raises(ValueError, match="same number of sites"):
         simulate_many([config, replace(config, run_name="other", num_sites=4)])
+    with pytest.raises(ValueError, match="runtime must be one of"):
+        simulate_many([config], runtime="threads")
 
 
 # --------------------------------------------------------------------------- composition
@@ -248,7 +266,7 @@ def test_dwa_aggregates_top_k_replies_with_their_histograms(tmp_path):
     logger = logging.getLogger("flwr")
     logger.addHandler(handler)
     try:
-        summary = simulate(config)
+        summary = simulate(config, runtime="loopback")
     finally:
         logger.removeHandler(handler)
     assert not [line for line in handler.lines if "DWA:" in line or "dropped the reply" in line]
