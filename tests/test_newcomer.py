@@ -11,7 +11,8 @@
 6. a stray label without meta.json, a resume past num-server-rounds, ``--seed -1`` and too
    few windows per site each get a message naming what is wrong.
 
-Two module fixtures start Ray (~20-35 s each on 2 cores); the rest calls functions directly.
+The quickstart runs use Flower's Simulation Runtime (Ray, ~35 s on 2 cores): the point is a
+plain Flower client in Flower's runtime. The other runs use the in-process loopback grid.
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ def collecting(run):
 # --------------------------------------------------------------------------- case 2: a quickstart client
 
 
-def quickstart_app(root: Path, width: int = 8) -> ClientApp:
+def quickstart_app(root: Path, width: int = 8, reads: tuple[str, ...] = ()) -> ClientApp:
     """A ClientApp in the shape of Flower's quickstart-pytorch: it replies ``arrays`` and
     ``metrics`` (``num-examples``, ``train_loss``; ``eval_acc`` at evaluation), reads ``lr``
-    and ``local-epochs`` from the train config, and sends no label histogram nor site id.
-    Nothing of fedind on the site side but the model class."""
+    and ``local-epochs`` (and ``reads``) from the train config, and sends no label
+    histogram nor site id. Nothing of fedind on the site side but the model class."""
     app = ClientApp()
 
     def load(context: Context, split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +97,8 @@ def quickstart_app(root: Path, width: int = 8) -> ClientApp:
     def train(msg: Message, context: Context) -> Message:
         model = received_model(msg)
         x, y = load(context, "train")
+        for key in reads:
+            msg.content["config"][key]
         optimizer = torch.optim.SGD(model.parameters(), lr=msg.content["config"]["lr"], momentum=0.9)
         model.train()
         total = 0.0
@@ -173,6 +176,22 @@ def test_the_train_config_carries_the_quickstart_keys():
     assert RunConfig.from_json(record[wire.RUN_CONFIG]) == config
 
 
+def test_when_no_site_trains_the_run_ends_naming_the_cause(tmp_path):
+    root = generate(tmp_path / "data")
+    config = RunConfig(**SMALL, num_server_rounds=2, data_root=str(root), run_dir=str(tmp_path / "runs"), run_name="x")
+    app = quickstart_app(root, reads=("batch_size",))  # a key fedind does not send
+    cause = "KeyError: 'batch_size' (3 of 3 failed replies)"
+    logger, handler = logging.getLogger("flwr"), Collect()
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            simulate(config, client_app=app, runtime="loopback")
+    finally:
+        logger.removeHandler(handler)
+    assert str(failed.value) == f"no site update was aggregated in any round; cause: {cause}"
+    assert f"round 1: no site update arrived; the global model is unchanged (cause: {cause})" in handler.lines
+
+
 def test_the_cause_of_failing_sites_is_one_line():
     # The reasons as Flower formats them: str(type(ex)) + ":<'" + str(ex) + "'>", from a
     # SuperNode, and from a Ray worker whose message ends with the site's own exception.
@@ -196,7 +215,7 @@ def plant_run(tmp_path_factory):
     (root / "test.npz").unlink()
     (root / "sites" / "line-01" / "test.npz").unlink()
     config = RunConfig(**SMALL, num_server_rounds=2, data_root=str(root), run_dir=str(tmp / "runs"), run_name="plant")
-    summary, lines = collecting(lambda: simulate(config))
+    summary, lines = collecting(lambda: simulate(config, runtime="loopback"))
     return summary, lines, config, tmp / "runs" / "plant", root
 
 
