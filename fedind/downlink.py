@@ -8,9 +8,10 @@ strategy's global model ``G`` by the top-k, quantised part of the gap::
 
 What is not sent stays in ``G_t - P_t`` and goes out in a later round: error feedback with
 the residual kept implicitly (DoubleSqueeze, Tang et al. 2019). A site that holds
-``P_{t-1}`` (the server knows it from the site's last successful reply) receives ``s_t``
-only; any other site (new, back after missing rounds, restarted without its state, or after
-the head grew) receives the whole ``P_t``. The sites train from ``P_t``; their updates are
+``P_{t-1}`` (its last reply confirmed that copy) receives ``s_t`` only; any other site
+(new, back after missing rounds, restarted without its state, or a plain Flower client,
+which never confirms a copy) receives the whole ``P_t``; arrays that changed shape (a grown
+head) go whole beside the step. The sites train from ``P_t``; their updates are
 deltas, which the server adds to ``G_t``, so the strategy steps from its own model as usual.
 
 Other array records of a train message that a site already holds (the EWC Fisher and
@@ -226,8 +227,12 @@ class CompressedDownlink:
     # -------------------------------------------------------------- replies
     def __call__(self, instruction: Message, reply: Message) -> Message:
         node = instruction.metadata.dst_node_id
-        if node in self._sent:  # the site answered, so it rebuilt and keeps what it was sent
-            self._answered.add(node)
+        if not reply.has_error() and wire.DOWNLINK in reply.content.config_records:
+            held = reply.content.config_records[wire.DOWNLINK].get(wire.TOKEN)
+            if node in self._sent and held == self._sent[node][wire.ARRAYS]:
+                self._answered.add(node)  # it rebuilt the model it was sent and keeps it
+            content = RecordDict({k: v for k, v in reply.content.items() if k != wire.DOWNLINK})
+            reply = Message(content, reply_to=instruction)  # every strategy sees the same records
         if not reply.has_error():
             try:
                 reply = _with_unpacked(reply)
@@ -272,13 +277,16 @@ def downlink_mod(msg: Message, context: Context, call_next: Callable[[Message, C
     reply = call_next(msg, context)
     if reply.has_error():
         return reply
-    content, changed = RecordDict(dict(reply.content.items())), False
+    content = RecordDict(dict(reply.content.items()))
     for name, record in reply.content.array_records.items():  # e.g. a phase-end Fisher, focused
         if name != wire.ARRAYS and (packed := pack_sparse(_numpy(record))) is not None:
             del content[name]
             content[f"{wire.SPARSE_RECORD}{name}"] = _record(packed)
-            changed = True
-    return Message(content, reply_to=msg) if changed else reply
+    # Confirm the model this site now holds: only then does the server send it steps (a
+    # plain Flower client never confirms, and gets whole models).
+    held = context.state.config_records[HELD][wire.ARRAYS]
+    content[wire.DOWNLINK] = ConfigRecord({wire.TOKEN: held})
+    return Message(content, reply_to=msg)
 
 
 def _with_unpacked(message: Message) -> Message:

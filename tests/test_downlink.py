@@ -235,3 +235,20 @@ def test_the_run_config_text_is_sent_once_and_restored_from_the_sites_copy():
     site.answer(on_wire, arrays(9, 0.0))
     assert site.seen.content[wire.CONFIG][wire.RUN_CONFIG] == text
     assert site.seen.content[wire.CONFIG][wire.SERVER_ROUND] == 2
+
+
+def test_a_plain_flower_client_never_confirms_a_copy_and_gets_whole_models():
+    server = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05)
+    g = arrays(0)
+    for server_round in (1, 2, 3):
+        message = train_message(g, server_round)
+        on_wire = send(server, message)
+        assert wire.ARRAYS in on_wire.content.array_records  # whole every round
+        local = {k: v.numpy() + 0.5 for k, v in on_wire.content[wire.ARRAYS].items()}  # no downlink mod
+        reply = Message(RecordDict({wire.ARRAYS: record(local), wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 1})}),
+                        reply_to=on_wire)
+        out = server(message, reply)
+        server.settle({NODE})
+        for k in g:
+            np.testing.assert_allclose(out.content[wire.ARRAYS][k].numpy(), g[k] + 0.5, atol=1e-5)
+        g = {k: v + arrays(server_round, 0.01)[k] for k, v in g.items()}
