@@ -19,7 +19,7 @@ memory. Means over seeds with the spread, per-seed rows in results.json.
 
     python simulations/plant.py --alphas 0.1 0.3 --seeds 5 6 7 8 9            # the evidence
     python simulations/plant.py --alphas 0.1 --seeds 0 --variants FedAvgM recipe  # a quick look
-    python simulations/plant.py --data-root data/gearbox                        # another data family
+    python simulations/plant.py --family gearbox --alphas 0.1 --seeds 5 6       # the second data family
 
 Extra ``key=value`` arguments override the run config of every run. Writes
 OUT/{results.json,table.md,config.json,plant.png}; runs go to OUT/runs/<variant>-a<alpha>-s<seed>
@@ -85,6 +85,20 @@ def variant_config(base: RunConfig, name: str, alpha: float, seed: int, out: Pat
         base, **overrides, dirichlet_alpha=alpha, seed=seed, run_dir=str(out / "runs"),
         run_name=f"{name}-a{alpha:g}-s{seed}", checkpoint_interval=0,
     )
+
+
+def gearbox_root(out: Path, base: RunConfig, alpha: float, seed: int) -> str:
+    """The plant scenario on the gearbox family (fedind.data.gearbox), written once per
+    alpha and seed (with ``data-root`` the folder decides the data, so it is one per seed)."""
+    from fedind.data.gearbox import GearboxSpec, write_gearbox_federation
+
+    folder = (out / "data" / f"gearbox-a{alpha:g}-s{seed}").resolve()
+    if not (folder / "meta.json").exists():
+        spec = GearboxSpec(num_sites=base.num_sites, alpha=alpha, samples_per_site=base.samples_per_site, seed=seed,
+                           phases=base.phases, regime_share=base.drift_regime_share,
+                           new_classes=base.drift_new_classes, speed_factor=base.drift_speed_factor)
+        write_gearbox_federation(spec, folder)
+    return str(folder)
 
 
 def absent_mod(msg: Message, context: Context, call_next) -> Message:
@@ -218,6 +232,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 0.3])
     parser.add_argument("--seeds", type=int, nargs="+", default=[5, 6, 7, 8, 9])
     parser.add_argument("--out", default="runs/plant")
+    parser.add_argument("--family", choices=("bearing", "gearbox"), default="bearing",
+                        help="data family: fedind's bearing generator, or the gearbox one (fedind.data.gearbox)")
     parser.add_argument("--runtime", default="ray", help="fedind.simulation runtime (ray, or loopback where available)")
     args, overrides = parser.parse_known_args(argv)
     base = parse_overrides(overrides, {**pyproject_run_config(), **SCENARIO})
@@ -227,6 +243,8 @@ def main(argv: list[str]) -> None:
         {"base": base.to_flower(), "variants": {n: VARIANTS[n] for n in args.variants}, "alphas": args.alphas,
          "seeds": args.seeds, "absent_site": ABSENT_SITE, "absent_rounds": list(ABSENT_ROUNDS)}, indent=2))
     configs = {(n, a, s): variant_config(base, n, a, s, out) for s in args.seeds for a in args.alphas for n in args.variants}
+    if args.family == "gearbox":
+        configs = {key: replace(c, data_root=gearbox_root(out, base, key[1], key[2])) for key, c in configs.items()}
     pending = [c for c in configs.values() if not finished(c)]
     if pending:
         kwargs = {"runtime": args.runtime} if args.runtime != "ray" else {}
