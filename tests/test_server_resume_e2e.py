@@ -44,7 +44,7 @@ def test_a_sigkilled_serverapp_resumes_from_its_checkpoint(tmp_path):
         folder = tmp_path / "runs" / "plant-run"
         run_config = (
             f"data-root='{data}' run-dir='{tmp_path / 'runs'}' run-name='plant-run' num-server-rounds=3 "
-            f"local-epochs=1 model-width=8 round-timeout=120.0"
+            f"local-epochs=1 model-width=8 round-timeout=120.0 phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0"
         )
         first = plant.start("flwr-run-1", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
         plant.wait_for(lambda: (folder / "checkpoints" / "round-000001").is_dir(), 300, "the round-1 checkpoint", first)
