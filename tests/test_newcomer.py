@@ -32,7 +32,7 @@ from flwr.clientapp import ClientApp
 from fedind import serverapp, wire
 from fedind.checkpoint import CheckpointStore
 from fedind.cli import main as cli_main
-from fedind.config import ConfigError, RunConfig
+from fedind.config import ConfigError, RunConfig, recipe
 from fedind.data.format import SiteArrays, write_split
 from fedind.diagnostics import common_cause, short_reason, site_score
 from fedind.launch import run_failure
@@ -133,17 +133,22 @@ def quickstart_runs(tmp_path_factory):
     root = generate(tmp / "data")
     configs = [RunConfig(**SMALL, strategy=strategy, num_server_rounds=3, data_root=str(root),
                          run_dir=str(tmp / "runs"), run_name=strategy) for strategy in ("dwa", "fedavgm")]
+    # The default recipe (two phases: the phase-end query goes unanswered by a plain client;
+    # top-k both ways: a plain client gets whole models and replies dense weights).
+    configs.append(recipe(**SMALL, num_server_rounds=3, phase_rounds=2, data_root=str(root),
+                          run_dir=str(tmp / "runs"), run_name="recipe"))
     summaries, lines = collecting(lambda: simulate_many(configs, client_app=quickstart_app(root)))
-    return dict(zip(("dwa", "fedavgm"), summaries)), lines, tmp / "runs", root
+    return dict(zip(("dwa", "fedavgm", "recipe"), summaries)), lines, tmp / "runs", root
 
 
-@pytest.mark.parametrize("strategy", ["dwa", "fedavgm"])
+@pytest.mark.parametrize("strategy", ["dwa", "fedavgm", "recipe"])
 def test_a_quickstart_client_finishes_a_run(quickstart_runs, strategy):
     summaries, _, runs, root = quickstart_runs
     summary = summaries[strategy]
     assert json.loads((runs / strategy / "summary.json").read_text()) == summary
     assert (runs / strategy / "model.safetensors").exists()
-    assert summary["rounds"] == 3 and summary["totals"]["failures"] == 0
+    # Under the recipe the only failures are the phase-end queries a plain client cannot answer.
+    assert summary["rounds"] == 3 and summary["totals"]["failures"] == (3 if strategy == "recipe" else 0)
     assert summary["global_test"] and 0 <= summary["final_accuracy"] <= 1
     # The accuracy the sites report as eval_acc is read, on each site's own test split.
     test_sizes = sorted(int(np.load(p)["y"].size) for p in (root / "sites").glob("*/test.npz"))
@@ -154,7 +159,7 @@ def test_a_quickstart_client_finishes_a_run(quickstart_runs, strategy):
 
 def test_the_quickstart_clients_train_every_round_on_the_sent_lr(quickstart_runs):
     _, _, runs, _ = quickstart_runs
-    for strategy in ("dwa", "fedavgm"):
+    for strategy in ("dwa", "fedavgm", "recipe"):
         rows = (runs / strategy / "rounds.csv").read_text().splitlines()[1:]
         assert [int(row.split(",")[5]) for row in rows] == [3, 3, 3]  # sites aggregated per round
 
@@ -162,8 +167,8 @@ def test_the_quickstart_clients_train_every_round_on_the_sent_lr(quickstart_runs
 def test_the_server_says_once_which_features_the_replies_switch_off(quickstart_runs):
     _, lines, _, _ = quickstart_runs
     told = [line for line in lines if line.startswith("fedind features off")]
-    assert len(told) == 2  # once per run
-    dwa, fedavgm = told
+    assert len(told) == 3  # once per run
+    dwa, fedavgm, _ = told
     assert "no 'label-histogram' metric" in dwa and "the label-alignment screen is off" in dwa
     assert "dwa weights the round by example counts" in dwa and "example counts" not in fedavgm
     assert "no 'site' record" in fedavgm and "named by node id" in fedavgm
