@@ -168,7 +168,10 @@ class CompressedDownlink:
         holds = self.held.get(node, {})
         content = RecordDict({k: v for k, v in message.content.items() if k != wire.ARRAYS})
         downlink = {wire.TOKEN: new}
-        if payload is not None and holds.get(wire.ARRAYS) == base:
+        # A step to every site that confirmed a copy: one that missed rounds (and holds an older
+        # copy) refuses it and is sent the whole model in the same round (resend), so nothing
+        # whole goes to a line while it is off the network.
+        if payload is not None and wire.ARRAYS in holds:
             downlink[wire.DOWNLINK_BASE] = base
             downlink[wire.DOWNLINK_ORDER] = list(self.broadcast)
             content[wire.DOWNLINK_STEP] = to_record(payload)
@@ -257,9 +260,21 @@ class CompressedDownlink:
         for node, sent in self._sent.items():
             if node in self._answered:
                 self.held[node] = sent
-            else:
-                self.held.pop(node, None)
+        # A site that did not answer (off the network, failed) may still hold its older copy:
+        # it gets a step next time, and if it refuses it (STALE_DOWNLINK) the whole model at
+        # once, in the same round (resend).
         self._sent, self._rebase, self._answered = {}, {}, set()
+
+    def resend(self, message: Message) -> Message:
+        """The message of a site that refused a step (:meth:`wants`), with everything whole."""
+        node = message.metadata.dst_node_id
+        self.held.pop(node, None)
+        return self.prepare(message)
+
+    @staticmethod
+    def refused(reply: Message) -> bool:
+        """Whether an error reply says the site does not hold what a message referred to."""
+        return reply.error.code == STALE_DOWNLINK
 
 
 # ------------------------------------------------------------------ site side

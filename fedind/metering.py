@@ -111,6 +111,7 @@ class MeteredGrid(Grid):
             for message in messages
             if message.metadata.message_id
         }
+        received = self._resend_refused(received, originals, by_id, timeout)
         replies, answered = [], set()
         for reply in received:
             # Match by message id (the grid stamps it when pushing): an error reply Flower
@@ -140,6 +141,28 @@ class MeteredGrid(Grid):
         # Arrival order is random; aggregating float32 in a fixed (site) order keeps runs
         # bit-identical for a seed.
         return sorted(replies, key=_reply_order)
+
+    def _resend_refused(
+        self, received: list[Message], originals: dict[int, Message], by_id: dict[str, Message], timeout: float | None
+    ) -> list[Message]:
+        """Replies the transform wants sent again within the round (``transform.resend``:
+        e.g. the whole model to a site that no longer holds the copy a step was for) go out
+        once more; their new replies take the place of the refusals."""
+        resend, wants = getattr(self._transform, "resend", None), getattr(self._transform, "refused", None)
+        if resend is None or wants is None:
+            return received
+        refused = [reply for reply in received if reply.has_error() and wants(reply)]
+        nodes = {by_id[r.metadata.reply_to_message_id].metadata.dst_node_id for r in refused
+                 if r.metadata.reply_to_message_id in by_id}
+        if not nodes:
+            return received
+        again = [resend(_copy(originals[node])) for node in sorted(nodes)]
+        for message in again:
+            self._traffic.downlink_bytes += payload_bytes(message.content)
+        self._traffic.messages_sent += len(again)
+        second = list(self._grid.send_and_receive(again, timeout=timeout))
+        by_id.update({m.metadata.message_id: originals[m.metadata.dst_node_id] for m in again if m.metadata.message_id})
+        return [r for r in received if r not in refused] + second
 
     # Plain delegation below.
     def set_run(self, run) -> None:

@@ -115,7 +115,7 @@ def test_a_dense_reply_trained_from_the_broadcast_model_is_rebased_onto_the_glob
         np.testing.assert_allclose(out.content[wire.ARRAYS][k].numpy(), g2[k] + delta[k], atol=1e-5)
 
 
-def test_a_site_that_lost_its_copy_answers_stale_and_gets_the_whole_model_next_round():
+def test_a_site_that_lost_its_copy_refuses_the_step_and_is_sent_the_whole_model_again():
     server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
     g = arrays(0)
     for server_round in (1, 2):
@@ -126,23 +126,30 @@ def test_a_site_that_lost_its_copy_answers_stale_and_gets_the_whole_model_next_r
     del site.context.state[BROADCAST]  # a restart without its state
     message = train_message(g, 3)
     stale = site.answer(send(server, message), arrays(9, 0.0))
-    assert stale.has_error() and stale.error.code == STALE_DOWNLINK
-    server.settle(set())  # error replies never reach the transform: the site holds nothing known
-    whole = send(server, train_message(g, 4))
+    assert stale.has_error() and server.refused(stale)
+    whole = server.resend(Message(RecordDict(dict(message.content.items())), dst_node_id=NODE,
+                                  message_type=MessageType.TRAIN))
     assert wire.ARRAYS in whole.content.array_records
-    assert not site.answer(whole, arrays(9, 0.0)).has_error()
+    reply = site.answer(whole, arrays(9, 0.0))
+    assert not reply.has_error()
+    server(message, reply)
+    server.settle({NODE})
+    assert wire.ARRAYS not in send(server, train_message({k: v + 0.01 for k, v in g.items()}, 4)).content.array_records
 
 
-def test_a_site_back_after_missing_rounds_gets_the_whole_model():
+def test_a_site_back_after_missing_rounds_refuses_the_step_it_cannot_apply():
     server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
     g = arrays(0)
     message = train_message(g, 1)
     server(message, site.answer(send(server, message), arrays(9, 0.0)))
     server.settle({NODE})
+    g = {k: v + 0.01 for k, v in g.items()}
     send(server, train_message(g, 2))  # round 2: the site is off the network, no reply
     server.settle(set())
     back = send(server, train_message({k: v + 0.01 for k, v in g.items()}, 3))
-    assert wire.ARRAYS in back.content.array_records
+    assert wire.ARRAYS not in back.content.array_records  # a step: nothing whole while it is away
+    refusal = site.answer(back, arrays(9, 0.0))
+    assert refusal.has_error() and server.refused(refusal)
 
 
 def test_records_the_site_holds_are_sent_once_and_restored_from_its_copy():
