@@ -193,6 +193,18 @@ class LocalPlant:
         nodes = json.loads(out[out.index("{"):]).get("nodes", [])
         return sum(1 for n in nodes if n.get("status") == "online")
 
+    def wait_online(self, nodes: Sequence[Proc], timeout: float = 90) -> None:
+        """Wait until the SuperLink counts ``len(nodes)`` SuperNodes online. First, cheaply,
+        until each of ``nodes`` has logged its SuperNode ID (Flower logs it once the
+        SuperLink accepted the node); only then ask the SuperLink (``flwr supernode list``
+        starts a Python process each time: ~1 s of CPU)."""
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            self.wait_for(lambda: "SuperNode ID:" in node.text(), max(0.0, deadline - time.monotonic()),
+                          f"{node.name} to connect", node, every=0.2)
+        self.wait_for(lambda: self.online_nodes() == len(nodes), max(0.0, deadline - time.monotonic()),
+                      f"{len(nodes)} SuperNodes online")
+
     def wait_for(self, condition, timeout: float, what: str, proc: Proc | None = None, every: float = 0.5) -> None:
         deadline = time.monotonic() + timeout
         while not condition():

@@ -68,3 +68,143 @@ def ray_runs(tmp_path_factory) -> dict:
         "configs": {"first": replace(topk, run_name="first"), "second": replace(topk, run_name="second"),
                     "encrypted": encrypted},
     }
+
+
+# --------------------------------------------------------------------------- scenarios that start early
+#
+# The deployment tests (real SuperLink, SuperNodes, ``flwr run`` processes over TLS) spend
+# most of their minutes waiting: for Flower to count a killed node offline (60 s), for a
+# round-timeout, for processes to start. Each test module's scenario therefore starts in a
+# thread of its own as soon as collection ends — only if one of its tests was selected —
+# and runs while the rest of the suite does; its tests then wait for the steps they check.
+# A step's assertions are the test's, verbatim; a failed step fails its test with the
+# step's own traceback. Everything a scenario starts is stopped when it ends, and at the
+# latest when the session ends (also on Ctrl-C).
+
+
+class Scenario:
+    """One scenario ``fn(scenario)`` running in a thread. ``fn`` wraps each checked part in
+    ``with scenario.step(name) as notes:`` (what fails in it is kept for its test, and the
+    scenario goes on with the next part, as separate tests would; ``notes``: lines the test
+    prints); a test calls :meth:`result` (name) to wait for that part and re-raise what
+    failed in it. ``root`` is the scenario's temporary folder; plants made with
+    :meth:`plant` are closed by :meth:`abort` at the end of the session."""
+
+    def __init__(self, fn, root) -> None:
+        import threading
+
+        self.fn, self.root = fn, root
+        self.notes: dict[str, list[str]] = {}
+        self._steps: dict[str, BaseException | None] = {}
+        self._plants: list = []
+        self._done = threading.Event()
+        self._changed = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"scenario-{fn.__name__}", daemon=True)
+
+    def start(self) -> "Scenario":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.fn(self)
+        except BaseException as error:  # noqa: BLE001 - reported by the tests that wait for it
+            self._error = error
+        finally:
+            with self._changed:
+                self._done.set()
+                self._changed.notify_all()
+
+    def plant(self, root):
+        from fedind.deploy_harness import LocalPlant
+
+        plant = LocalPlant(root)
+        self._plants.append(plant)
+        return plant
+
+    def step(self, name: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def recorded():
+            self.notes.setdefault(name, [])
+            try:
+                yield self.notes[name]
+            except Exception as error:  # the test of this step reports it; the scenario goes on
+                self._record(name, error)
+            else:
+                self._record(name, None)
+
+        return recorded()
+
+    def _record(self, name: str, error: BaseException | None) -> None:
+        with self._changed:
+            self._steps[name] = error
+            self._changed.notify_all()
+
+    def result(self, name: str, timeout: float = 1200.0) -> list[str]:
+        """Wait for step ``name``; re-raise its failure; return its notes (lines to print)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: name in self._steps or self._done.is_set(), timeout):
+                raise TimeoutError(f"scenario {self.fn.__name__}: step {name!r} not done after {timeout:.0f} s")
+        if name not in self._steps:
+            if self._error is not None:
+                raise self._error
+            raise RuntimeError(f"scenario {self.fn.__name__} ended without step {name!r}")
+        if self._steps[name] is not None:
+            raise self._steps[name]
+        return self.notes.get(name, [])
+
+    def abort(self, timeout: float = 60.0) -> None:
+        """Stop every process of the scenario's plants and wait for its thread."""
+        if not self._done.is_set():
+            for plant in self._plants:
+                plant.close()
+        self._thread.join(timeout)
+
+
+_SCENARIOS: dict = {}  # scenario function -> Scenario
+
+
+def _scenario_of(item):
+    marker = item.get_closest_marker("scenario")
+    return marker.kwargs["run"] if marker is not None else None
+
+
+def _start(config, fn) -> Scenario:
+    if fn not in _SCENARIOS:
+        root = config._tmp_path_factory.mktemp(fn.__name__.removesuffix("_scenario")[:30])
+        _SCENARIOS[fn] = Scenario(fn, root).start()
+    return _SCENARIOS[fn]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "scenario(run=fn): the test checks a step of fn, a scenario run in a thread from the end of collection"
+    )
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        skipped = item.get_closest_marker("skip") is not None or any(
+            bool(m.args[0]) for m in item.iter_markers("skipif") if m.args and isinstance(m.args[0], bool)
+        )
+        if (fn := _scenario_of(item)) is not None and not skipped:
+            _start(session.config, fn)
+
+
+def pytest_sessionfinish(session):
+    for scenario in _SCENARIOS.values():
+        scenario.abort()
+
+
+@pytest.fixture
+def scenario(request) -> Scenario:
+    """The running :class:`Scenario` of this test's ``scenario(run=fn)`` marker."""
+    fn = _scenario_of(request.node)
+    if fn is None:
+        raise RuntimeError("the scenario fixture needs @pytest.mark.scenario(run=fn)")
+    return _start(request.config, fn)

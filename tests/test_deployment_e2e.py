@@ -3,9 +3,11 @@ authentication, three SuperNodes with their own data folders, a real ``flwr run`
 
 Processes are started with the deploy/ scripts exactly as README's "Deployment" section
 does (fedind.deploy_harness) and stopped — process groups and stray descendants — when the
-module's tests end, also when they fail. Every process gets its own FLWR_HOME under the
-test's temporary folder; ~/.flwr is not touched. Deselect with ``-m "not deployment"``.
-About 1.5 minutes on 2 cores.
+scenario ends, also when it fails. Every process gets its own FLWR_HOME under the
+scenario's temporary folder; ~/.flwr is not touched. Deselect with ``-m "not deployment"``.
+About 1.5 minutes on 2 cores, in a thread from the end of collection while the other tests
+run: :func:`plant_scenario` runs the three checks below on one plant, one after the other,
+and each test waits for its check (``scenario``, conftest.py).
 """
 
 import json
@@ -16,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from fedind.deploy_harness import BIN, LocalPlant, free_port
+from fedind.deploy_harness import BIN, free_port
 from fedind.site_state import load_state
 
 pytestmark = [
@@ -27,18 +29,33 @@ pytestmark = [
 SITES = ["line-00", "line-01", "line-02"]
 
 
-@pytest.fixture(scope="module")
-def plant(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plant")
-    plant = LocalPlant(root)
-    try:
-        plant.set_up(SITES, seed=1)  # README, Deployment, steps 1-3: data, keys, SuperLink, registration
-        yield plant
-    finally:
-        plant.close()
+def plant_scenario(scenario) -> None:
+    """One plant (README, Deployment, steps 1-3: data, keys, SuperLink, registration), then
+    each check in turn, as the tests of a module-scoped plant ran."""
+    with scenario.plant(scenario.root / "plant") as plant:
+        plant.set_up(SITES, seed=1)
+        for check in (an_unregistered_supernode_is_refused, a_supernode_that_does_not_trust_the_plant_ca_is_refused,
+                      a_run_completes_and_a_restarted_site_resumes_with_its_saved_state):
+            with scenario.step(check.__name__):
+                check(plant)
 
 
-def test_an_unregistered_supernode_is_refused(plant):
+@pytest.mark.scenario(run=plant_scenario)
+def test_an_unregistered_supernode_is_refused(scenario):
+    scenario.result("an_unregistered_supernode_is_refused")
+
+
+@pytest.mark.scenario(run=plant_scenario)
+def test_a_supernode_that_does_not_trust_the_plant_ca_is_refused(scenario):
+    scenario.result("a_supernode_that_does_not_trust_the_plant_ca_is_refused")
+
+
+@pytest.mark.scenario(run=plant_scenario)
+def test_a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(scenario):
+    scenario.result("a_run_completes_and_a_restarted_site_resumes_with_its_saved_state")
+
+
+def an_unregistered_supernode_is_refused(plant):
     plant.run([BIN / "fedind", "deploy", "site-keys", "--out", plant.root / "rogue", "intruder"])
     rogue = plant.start_supernode(
         "intruder", plant.root / "data" / "sites" / "line-00", key=plant.root / "rogue" / "intruder"
@@ -48,7 +65,7 @@ def test_an_unregistered_supernode_is_refused(plant):
     assert plant.online_nodes() == 0
 
 
-def test_a_supernode_that_does_not_trust_the_plant_ca_is_refused(plant):
+def a_supernode_that_does_not_trust_the_plant_ca_is_refused(plant):
     other = plant.root / "other-ca"
     plant.run([BIN / "fedind", "deploy", "certs", "--out", other])
     # A registered key, but the server certificate does not verify against this CA.
@@ -77,10 +94,10 @@ def scrape_while(alive, port: int, seen: dict) -> None:
         threading.Event().wait(0.5)
 
 
-def test_a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant):
+def a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant):
     data = plant.root / "data"
     nodes = {site: plant.start_supernode(site, data / "sites" / site) for site in SITES}
-    plant.wait_for(lambda: plant.online_nodes() == 3, 90, "3 SuperNodes online")
+    plant.wait_online(list(nodes.values()))  # 3 SuperNodes online
 
     metrics_port = free_port()
     run_config = (

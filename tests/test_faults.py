@@ -9,7 +9,8 @@
    run in which site 0 sends nothing at all (its train handler crashes every round): the
    bad updates had no influence whatever. The clean run (no attacker) says what losing
    site 0's update costs. About 10 s on 2 busy cores (three runs, no Ray start).
-2. Deployment (``deployment`` marker, fedind.deploy_harness): three SuperNodes over TLS;
+2. Deployment (``deployment`` marker, fedind.deploy_harness; a scenario that runs in a thread
+   from the end of collection, conftest.py, while the other tests run): three SuperNodes over TLS;
    one is SIGKILLed while it trains; the round ends at ``round-timeout`` with the other two,
    records the failure once and the run goes on; the agent, restarted once Flower counts
    it offline, takes part in the last round and scores the final global model. About
@@ -54,7 +55,7 @@ from fedind.compression import (
     to_record,
 )
 from fedind.config import RunConfig
-from fedind.deploy_harness import BIN, LocalPlant
+from fedind.deploy_harness import BIN
 from fedind.metering import MeteredGrid
 from fedind.screening import UpdateScreen
 from fedind.secure import decrypt_query, paillier_mod
@@ -365,9 +366,7 @@ ROUND_TIMEOUT = 40.0
 OFFLINE = ("Error: Node Unavailable", "Waiting for nodes to connect: 2 connected")
 
 
-@pytest.mark.deployment
-@pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None, reason="Flower CLIs not installed")
-def test_a_site_killed_mid_round_does_not_stall_the_round_and_rejoins(tmp_path):
+def killed_site_scenario(scenario) -> None:
     """SIGKILL line-00's SuperNode (and its ClientApp process) while it trains in round 2.
     The round ends at round-timeout (or when Flower reports the node unavailable, if that
     comes first) with the two other sites and records line-00 as failed, once. The agent is
@@ -382,60 +381,71 @@ def test_a_site_killed_mid_round_does_not_stall_the_round_and_rejoins(tmp_path):
     from fedind.site_state import load_state
     from fedind.training import evaluate
 
-    plant = LocalPlant(tmp_path / "plant")
-    with plant:
-        root, data = plant.root, plant.set_up(SITES, seed=1)
-        nodes = {site: plant.start_supernode(site, data / "sites" / site) for site in SITES}
-        plant.wait_for(lambda: plant.online_nodes() == 3, 90, "3 SuperNodes online")
-        victim = nodes["line-00"]
-        node_id = re.search(r"SuperNode ID: (\d+)", victim.text()).group(1)
+    with scenario.step("killed") as notes:
+        plant = scenario.plant(scenario.root / "plant")
+        with plant:
+            root, data = plant.root, plant.set_up(SITES, seed=1)
+            nodes = {site: plant.start_supernode(site, data / "sites" / site) for site in SITES}
+            plant.wait_online(list(nodes.values()))  # 3 SuperNodes online
+            victim = nodes["line-00"]
+            node_id = re.search(r"SuperNode ID: (\d+)", victim.text()).group(1)
 
-        run_config = (
-            f"data-root='{data}' run-dir='{root / 'runs'}' run-name='killed' num-server-rounds=7 local-epochs=1 "
-            f"model-width=8 round-timeout={ROUND_TIMEOUT} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0"
-        )
-        run = plant.start("flwr-run", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
-        # Round 2's instruction reached line-00 and its ClientApp process is training: kill both.
-        plant.wait_for(lambda: victim.text().count("Start `flwr-clientapp` process") >= 2, 240,
-                       "line-00 training in round 2", run, every=0.05)
-        plant.stop(victim, signal.SIGKILL)
-        assert victim.text().count("Sent successfully") == 1  # its round-1 reply, never round 2's
-        killed = time.monotonic()
-        plant.wait_for(lambda: any(line in run.text() for line in OFFLINE), 120, "line-00 offline", run, every=1)
-        offline_after = time.monotonic() - killed
-        # A site that stays away does not stall the run: a round goes on with the other two.
-        plant.wait_for(lambda: re.search(r"round [3-7]/7 .* sites 2  failed 0", run.text()), 120,
-                       "a round without line-00", run, every=1)
-        restarted = plant.start_supernode("line-00", data / "sites" / "line-00", name="supernode-line-00-restarted")
+            run_config = (
+                f"data-root='{data}' run-dir='{root / 'runs'}' run-name='killed' num-server-rounds=7 local-epochs=1 "
+                f"model-width=8 round-timeout={ROUND_TIMEOUT} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0"
+            )
+            run = plant.start("flwr-run", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
+            # Round 2's instruction reached line-00 and its ClientApp process is training: kill both.
+            plant.wait_for(lambda: victim.text().count("Start `flwr-clientapp` process") >= 2, 240,
+                           "line-00 training in round 2", run, every=0.05)
+            plant.stop(victim, signal.SIGKILL)
+            assert victim.text().count("Sent successfully") == 1  # its round-1 reply, never round 2's
+            killed = time.monotonic()
+            plant.wait_for(lambda: any(line in run.text() for line in OFFLINE), 120, "line-00 offline", run, every=1)
+            offline_after = time.monotonic() - killed
+            # A site that stays away does not stall the run: a round goes on with the other two.
+            plant.wait_for(lambda: re.search(r"round [3-7]/7 .* sites 2  failed 0", run.text()), 120,
+                           "a round without line-00", run, every=1)
+            restarted = plant.start_supernode("line-00", data / "sites" / "line-00", name="supernode-line-00-restarted")
 
-        assert run.popen.wait(timeout=300) == 0, run.text()[-4000:]
-        log = run.text()
-        assert "fedind run 'killed' finished: 7 rounds, 3 sites" in log
-        folder = root / "runs" / "killed"
-        rows = [(int(r["sites"]), int(r["failures"])) for r in read_rounds(folder)]
-        seconds = [float(r["seconds"]) for r in read_rounds(folder)]
-        # Round 2 went on with the two others and did not wait past round-timeout (the
-        # HTTP grid polls every 3 s); later rounds sample the sites connected.
-        assert rows[:2] == [(3, 0), (2, 1)] and (2, 0) in rows[2:], rows
-        assert all(sites + failures <= 3 for sites, failures in rows), rows
-        assert seconds[1] < ROUND_TIMEOUT + 5, seconds
-        round_2 = log[log.index("[ROUND 2/7]"):log.index("[ROUND 3/7]")]
-        assert re.search(rf"failed: node {node_id}: (no reply \(timeout\)|Error: Node Unavailable)", round_2), round_2
-        # Every failure is line-00's, counted once (not also as "node 1", the SuperLink).
-        failures = re.findall(r"failed: node (\d+):", log)
-        assert set(failures) == {node_id} and len(failures) == sum(f for _, f in rows)
+            assert run.popen.wait(timeout=300) == 0, run.text()[-4000:]
+            log = run.text()
+            assert "fedind run 'killed' finished: 7 rounds, 3 sites" in log
+            folder = root / "runs" / "killed"
+            rows = [(int(r["sites"]), int(r["failures"])) for r in read_rounds(folder)]
+            seconds = [float(r["seconds"]) for r in read_rounds(folder)]
+            # Round 2 went on with the two others and did not wait past round-timeout (the
+            # HTTP grid polls every 3 s); later rounds sample the sites connected.
+            assert rows[:2] == [(3, 0), (2, 1)] and (2, 0) in rows[2:], rows
+            assert all(sites + failures <= 3 for sites, failures in rows), rows
+            assert seconds[1] < ROUND_TIMEOUT + 5, seconds
+            round_2 = log[log.index("[ROUND 2/7]"):log.index("[ROUND 3/7]")]
+            assert re.search(rf"failed: node {node_id}: (no reply \(timeout\)|Error: Node Unavailable)", round_2), round_2
+            # Every failure is line-00's, counted once (not also as "node 1", the SuperLink).
+            failures = re.findall(r"failed: node (\d+):", log)
+            assert set(failures) == {node_id} and len(failures) == sum(f for _, f in rows)
 
-        # The restarted agent is the same node and trained again from the global arrays its
-        # instructions carry (a ClientApp keeps no model between messages).
-        assert f"SuperNode ID: {node_id}" in restarted.text()
-        _, manifest = load_state(next(plant.state_dir("line-00").glob("run-*")))
-        trains = [h["server-round"] for h in manifest["history"] if h["message-type"] == "train" and not h["reply-error"]]
-        assert trains[0] == 1 and 2 not in trains and trains[-1] > 3, trains
-        # It scored the final global model: the accuracy of that model on its test split here.
-        summary = json.loads((folder / "summary.json").read_text())
-        assert sorted(summary["per_site"]) == SITES
-        state = {k: torch.from_numpy(v) for k, v in load_file(folder / "model.safetensors").items()}
-        site = site_from_dir(str(data / "sites" / "line-00"))
-        local = evaluate(FaultCNN.from_state_dict(state), site.test, torch.device("cpu"))
-        assert abs(summary["per_site"]["line-00"]["accuracy"] - local.accuracy) <= 1 / local.num_examples
-        print(f"rounds {rows}, seconds {[round(x, 1) for x in seconds]}, offline {offline_after:.0f} s after the kill")
+            # The restarted agent is the same node and trained again from the global arrays its
+            # instructions carry (a ClientApp keeps no model between messages).
+            assert f"SuperNode ID: {node_id}" in restarted.text()
+            _, manifest = load_state(next(plant.state_dir("line-00").glob("run-*")))
+            trains = [h["server-round"] for h in manifest["history"] if h["message-type"] == "train" and not h["reply-error"]]
+            assert trains[0] == 1 and 2 not in trains and trains[-1] > 3, trains
+            # It scored the final global model: the accuracy of that model on its test split here.
+            summary = json.loads((folder / "summary.json").read_text())
+            assert sorted(summary["per_site"]) == SITES
+            state = {k: torch.from_numpy(v) for k, v in load_file(folder / "model.safetensors").items()}
+            site = site_from_dir(str(data / "sites" / "line-00"))
+            local = evaluate(FaultCNN.from_state_dict(state), site.test, torch.device("cpu"))
+            assert abs(summary["per_site"]["line-00"]["accuracy"] - local.accuracy) <= 1 / local.num_examples
+            notes.append(f"rounds {rows}, seconds {[round(x, 1) for x in seconds]}, offline {offline_after:.0f} s after the kill")
+
+
+@pytest.mark.deployment
+@pytest.mark.skipif(shutil.which("flower-superlink", path=str(BIN)) is None, reason="Flower CLIs not installed")
+@pytest.mark.scenario(run=killed_site_scenario)  # runs in a thread from the end of collection (conftest.py)
+def test_a_site_killed_mid_round_does_not_stall_the_round_and_rejoins(scenario):
+    """:func:`killed_site_scenario`: a SuperNode SIGKILLed while it trains; the round goes on without
+    it, and it rejoins."""
+    for line in scenario.result("killed"):
+        print(line)
