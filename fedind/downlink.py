@@ -24,6 +24,7 @@ packed (:func:`pack_sparse`), both ways. A site whose copy does not match a dige
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -137,7 +138,9 @@ class CompressedDownlink:
     Not in the server checkpoint: after a resume every site gets the whole model once.
     """
 
-    def __init__(self, inner, ratio: float, mode: str = "int8") -> None:
+    def __init__(self, inner, ratio: float, mode: str = "int8", initial: tuple[str, dict] | None = None) -> None:
+        """``initial``: (digest, spec) of a first model the sites can build themselves
+        (:func:`fedind.models.initial_state` of ``spec``): sent as its spec, not its arrays."""
         if not 0 < ratio <= 1:
             raise ValueError(f"Invalid downlink ratio {ratio!r}: expected 0 < ratio <= 1")
         self.inner = inner
@@ -152,6 +155,8 @@ class CompressedDownlink:
         self._sent: dict[int, dict[str, str]] = {}  # node -> what this round's message gives it
         self._rebase: dict[int, dict[str, np.ndarray]] = {}  # node -> G_t - P_t for dense replies
         self._answered: set[int] = set()  # nodes whose site answered this round's message
+        self.initial = initial
+        self._no_init: set[int] = set()  # nodes whose own initial model did not match: sent whole
 
     # -------------------------------------------------------------- outgoing
     def prepare(self, message: Message) -> Message:
@@ -177,6 +182,8 @@ class CompressedDownlink:
             content[wire.DOWNLINK_STEP] = to_record(payload)
             if whole:
                 content[wire.DOWNLINK_WHOLE] = _record({k: self.broadcast[k] for k in whole})
+        elif self.initial is not None and self.initial[0] == new and node not in self._no_init:
+            downlink[wire.DOWNLINK_INIT] = json.dumps(self.initial[1], sort_keys=True)  # the site builds it
         else:
             content[wire.ARRAYS] = _record(self.broadcast)
         sent = {wire.ARRAYS: new}
@@ -269,6 +276,7 @@ class CompressedDownlink:
         """The message of a site that refused a step (:meth:`wants`), with everything whole."""
         node = message.metadata.dst_node_id
         self.held.pop(node, None)
+        self._no_init.add(node)
         return self.prepare(message)
 
     @staticmethod
@@ -339,6 +347,11 @@ def _rebuild(msg: Message, context: Context) -> Message:
             raise StaleDownlink(f"the step covers arrays the held model lacks ({sorted(set(order) - set(held) - set(whole))})")
         moved = apply_step({k: held[k] for k in order if k not in whole}, from_record(msg.content[wire.DOWNLINK_STEP]))
         model = {k: whole[k] if k in whole else moved[k] for k in order}
+        content[wire.ARRAYS] = _record(model)
+    elif wire.DOWNLINK_INIT in downlink:
+        from .models import initial_state  # torch: only for this one message
+
+        model = initial_state(**json.loads(str(downlink[wire.DOWNLINK_INIT])))
         content[wire.ARRAYS] = _record(model)
     else:
         model = _numpy(msg.content[wire.ARRAYS])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -108,3 +109,13 @@ class FaultCNN(nn.Module):
         )
         model.load_state_dict(state, strict=True)
         return model
+
+
+def initial_state(seed: int, in_channels: int, num_classes: int, width: int) -> dict[str, np.ndarray]:
+    """The run's initial model as the server builds it (FaultCNN right after
+    ``torch.manual_seed(seed)``), without touching the caller's random state: a site can
+    make it itself instead of receiving it (fedind.downlink checks the digest)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = FaultCNN(in_channels=in_channels, num_classes=num_classes, width=width)
+    return {name: t.detach().cpu().numpy() for name, t in model.state_dict().items()}

@@ -36,7 +36,7 @@ from .rounds import run_rounds
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .training import evaluate, pick_device
 from .secure import encrypted_server
-from .downlink import CompressedDownlink
+from .downlink import CompressedDownlink, digest
 from .transport import EstimateUplink, densify_reply
 
 app = ServerApp()
@@ -110,7 +110,9 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         transform = (EstimateUplink(config.topk_estimate_decay) if ef21
                      else PerReply(functools.partial(densify_reply, gain=config.topk_gain)))
         if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
-            transform = CompressedDownlink(transform, config.downlink_ratio, config.downlink_quantization)
+            spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
+            own = None if checkpoint is not None else (digest({k: v.numpy() for k, v in initial.items()}), spec)
+            transform = CompressedDownlink(transform, config.downlink_ratio, config.downlink_quantization, own)
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")

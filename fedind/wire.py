@@ -57,6 +57,7 @@ WINDOWS_SEEN = "windows-seen"  # MetricRecord key: windows the site has had (ear
 # Compressed downlink (fedind.downlink)
 DOWNLINK = "downlink"  # ConfigRecord, server -> site: {"token": digest of the model it is sent, "base"?, "cached:<record>"...}
 DOWNLINK_BASE = "base"  # its key: the digest of the model the sparse step applies to
+DOWNLINK_INIT = "init"  # its key: JSON spec of the run's initial model, which the site builds itself (fedind.models.initial_state)
 DOWNLINK_ORDER = "order"  # its key: the model's array names, in order (with a step)
 DOWNLINK_WHOLE = "downlink-whole"  # ArrayRecord, server -> site: arrays of the new model that changed shape (a grown head), whole
 DOWNLINK_STEP = "downlink-step"  # ConfigRecord, server -> site: the sparse step of the broadcast model (fedind.compression payload)

@@ -259,3 +259,24 @@ def test_a_plain_flower_client_never_confirms_a_copy_and_gets_whole_models():
         for k in g:
             np.testing.assert_allclose(out.content[wire.ARRAYS][k].numpy(), g[k] + 0.5, atol=1e-5)
         g = {k: v + arrays(server_round, 0.01)[k] for k, v in g.items()}
+
+
+def test_sites_build_the_initial_model_from_its_spec_and_a_mismatch_is_sent_whole():
+    from fedind.models import initial_state
+
+    spec = {"seed": 4, "in_channels": 1, "num_classes": 5, "width": 8}
+    g = initial_state(**spec)
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05, initial=(digest(g), spec)), Site()
+    message = train_message(g, 1)
+    on_wire = send(server, message)
+    assert wire.ARRAYS not in on_wire.content.array_records and payload_bytes(on_wire.content) < 1000
+    site.answer(on_wire, {k: np.zeros_like(v) for k, v in g.items()})
+    assert digest({k: v.numpy() for k, v in site.seen.content[wire.ARRAYS].items()}) == digest(g)
+
+    wrong = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05, initial=(digest(g), {**spec, "seed": 5}))
+    other = Site()
+    refusal = other.answer(send(wrong, message), {k: np.zeros_like(v) for k, v in g.items()})
+    assert refusal.has_error() and wrong.refused(refusal)
+    whole = wrong.resend(Message(RecordDict(dict(message.content.items())), dst_node_id=NODE,
+                                 message_type=MessageType.TRAIN))
+    assert wire.ARRAYS in whole.content.array_records
