@@ -68,6 +68,14 @@ def send(server: CompressedDownlink, message: Message) -> Message:
     return server.prepare(copy)
 
 
+def full_round(server: CompressedDownlink, site: Site, g: dict, server_round: int, extra: dict | None = None) -> Message:
+    """One round the site answers: send, rebuild, reply unchanged, decode, settle."""
+    message = train_message(g, server_round, extra)
+    reply = server(message, site.answer(send(server, message), {k: np.zeros_like(v) for k, v in g.items()}))
+    server.settle({NODE})
+    return reply
+
+
 def test_a_step_rebuilds_the_same_model_at_both_ends_and_error_feedback_closes_the_gap():
     held, target = arrays(0), arrays(1)
     gaps = []
@@ -104,9 +112,7 @@ def test_sites_get_the_whole_model_first_then_small_steps_that_rebuild_the_broad
 def test_a_dense_reply_trained_from_the_broadcast_model_is_rebased_onto_the_global_model():
     server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
     g1 = arrays(0)
-    message = train_message(g1, 1)
-    server(message, site.answer(send(server, message), arrays(9, 0.0)))
-    server.settle({NODE})
+    full_round(server, site, g1, 1)
     g2 = {k: v + arrays(2, 0.1)[k] for k, v in g1.items()}
     delta = arrays(3, 0.01)
     message = train_message(g2, 2)
@@ -119,9 +125,7 @@ def test_a_site_that_lost_its_copy_refuses_the_step_and_is_sent_the_whole_model_
     server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
     g = arrays(0)
     for server_round in (1, 2):
-        message = train_message(g, server_round)
-        server(message, site.answer(send(server, message), arrays(9, 0.0)))
-        server.settle({NODE})
+        full_round(server, site, g, server_round)
         g = {k: v + arrays(server_round, 0.01)[k] for k, v in g.items()}
     del site.context.state[BROADCAST]  # a restart without its state
     message = train_message(g, 3)
@@ -140,9 +144,7 @@ def test_a_site_that_lost_its_copy_refuses_the_step_and_is_sent_the_whole_model_
 def test_a_site_back_after_missing_rounds_refuses_the_step_it_cannot_apply():
     server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
     g = arrays(0)
-    message = train_message(g, 1)
-    server(message, site.answer(send(server, message), arrays(9, 0.0)))
-    server.settle({NODE})
+    full_round(server, site, g, 1)
     g = {k: v + 0.01 for k, v in g.items()}
     send(server, train_message(g, 2))  # round 2: the site is off the network, no reply
     server.settle(set())
@@ -170,9 +172,7 @@ def test_records_the_site_holds_are_sent_once_and_restored_from_its_copy():
 def test_a_grown_head_goes_whole_and_the_rest_of_the_model_as_a_step():
     server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
     g = arrays(0)
-    message = train_message(g, 1)
-    server(message, site.answer(send(server, message), arrays(9, 0.0)))
-    server.settle({NODE})
+    full_round(server, site, g, 1)
     grown_shapes = dict(SHAPES, **{"head.weight": (11, 128), "head.bias": (11,)})
     grown = {**arrays(1, shapes=grown_shapes), "conv.weight": g["conv.weight"] + 0.01}
     on_wire = send(server, train_message(grown, 2))
