@@ -118,13 +118,17 @@ def replay_metrics(buffer: ReplayBuffer | None, batch: SiteArrays) -> dict[str, 
     }
 
 
-def received_penalty(msg: Message, config: RunConfig) -> EWCPenalty | None:
-    """The EWC penalty of a train message (None before the first phase end or with λ = 0)."""
+def received_penalty(msg: Message, config: RunConfig, num_classes: int | None = None) -> EWCPenalty | None:
+    """The EWC penalty of a train message (None before the first phase end or with λ = 0).
+    Records consolidated before the head grew to ``num_classes`` get zero rows for the new
+    classes (F = 0: nothing to hold there), so the server need not send them again."""
     records = msg.content.array_records
     if not config.ewc_lambda or wire.EWC_FISHER not in records:
         return None
     fisher = {name: a.numpy() for name, a in records[wire.EWC_FISHER].items()}
     anchors = {name: a.numpy() for name, a in records[wire.EWC_ANCHORS].items()}
+    if num_classes is not None and HEAD_WEIGHT in fisher and fisher[HEAD_WEIGHT].shape[0] < num_classes:
+        fisher, anchors = pad_head_rows(fisher, num_classes), pad_head_rows(anchors, num_classes)
     return EWCPenalty(fisher, anchors, config.ewc_lambda)
 
 
@@ -288,9 +292,8 @@ class PhaseController:
         grow_strategy_classes(self.strategy, arrays, num_classes)
         if self.screen is not None:
             self.screen.num_classes = num_classes
-        if self.ewc is not None:
+        if self.ewc is not None:  # the records sent stay as consolidated: sites pad new rows with F = 0
             self.ewc.expand_classes(num_classes)
-            self._records = None
         self.num_classes = num_classes
         proposed = sorted(rows or {})
         self.expansions.append({"round": server_round, "from": old, "to": num_classes, "proposed_rows": proposed})

@@ -437,3 +437,34 @@ def test_focus_keeps_the_largest_share_of_fisher_coordinates_and_their_anchors()
     np.testing.assert_array_equal(a["b"], [[7, 0]])
     same_f, same_a = focus(fisher, anchors, keep=1.0)
     np.testing.assert_array_equal(same_a["a"], anchors["a"])
+
+
+def test_a_penalty_consolidated_before_the_head_grew_holds_nothing_on_the_new_rows(flower_task_identity):
+    import json
+
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+    from fedind import wire
+    from fedind.config import RunConfig
+    from fedind.continual_app import received_penalty
+
+    model = FaultCNN(in_channels=1, num_classes=4, width=8)
+    old = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    fisher = {k: np.ones_like(v) for k, v in old.items() if k in ("head.weight", "head.bias")}
+    content = RecordDict({
+        wire.EWC_FISHER: ArrayRecord({k: Array(v) for k, v in fisher.items()}),
+        wire.EWC_ANCHORS: ArrayRecord({k: Array(old[k]) for k in fisher}),
+        wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps({})}),
+    })
+    msg = Message(content, message_type=MessageType.TRAIN, dst_node_id=1)
+    grown = FaultCNN(in_channels=1, num_classes=5, width=8)
+    grown.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in expand_head(old, 5).items()}, strict=True)
+    config = RunConfig(ewc_lambda=2.0, phases=2, phase_rounds=2, num_server_rounds=4)
+    penalty = received_penalty(msg, config, num_classes=5)
+    assert float(penalty(grown)) == 0.0  # at the anchors, and the new row is free
+    with torch.no_grad():
+        grown.head.weight[4] += 1.0  # the new class's row moves: no penalty
+    assert float(penalty(grown)) == 0.0
+    with torch.no_grad():
+        grown.head.weight[0] += 1.0  # an old row moves: penalised
+    assert float(penalty(grown)) > 0.0
