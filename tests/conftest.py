@@ -74,39 +74,36 @@ def ray_runs(tmp_path_factory) -> dict:
 #
 # The deployment tests (real SuperLink, SuperNodes, ``flwr run`` processes over TLS) spend
 # most of their minutes waiting: for Flower to count a killed node offline (60 s), for a
-# round-timeout, for processes to start. Each test module's scenario therefore starts in a
-# thread of its own as soon as collection ends — only if one of its tests was selected —
-# and runs while the rest of the suite does; its tests then wait for the steps they check.
-# A step's assertions are the test's, verbatim; a failed step fails its test with the
-# step's own traceback. Everything a scenario starts is stopped when it ends, and at the
-# latest when the session ends (also on Ctrl-C).
+# round-timeout, for processes to start. Each such test checks a step of a *scenario*
+# (``@pytest.mark.scenario(run=fn, lane=...)``), and the scenarios start in threads as
+# soon as collection ends — only those with a selected test — and run while the rest of
+# the suite does; the tests that wait for them run last. A step's assertions are the
+# test's, verbatim; a failed step fails its test with the step's own traceback.
+# Scenarios of one ``lane`` run one after another in one thread and share its state (one
+# plant: a SuperLink, registered keys, SuperNodes): fewer processes to start on 2 cores.
+# Everything a scenario starts is stopped when its lane ends, and at the latest when the
+# session ends (also on Ctrl-C).
 
 
 class Scenario:
-    """One scenario ``fn(scenario)`` running in a thread. ``fn`` wraps each checked part in
-    ``with scenario.step(name) as notes:`` (what fails in it is kept for its test, and the
-    scenario goes on with the next part, as separate tests would; ``notes``: lines the test
-    prints); a test calls :meth:`result` (name) to wait for that part and re-raise what
-    failed in it. ``root`` is the scenario's temporary folder; plants made with
-    :meth:`plant` are closed by :meth:`abort` at the end of the session."""
+    """One scenario ``fn(scenario)``. ``fn`` wraps each checked part in ``with
+    scenario.step(name) as notes:`` (what fails in it is kept for its test and the scenario
+    goes on with the next part, as separate tests would; ``notes``: lines the test prints);
+    a test calls :meth:`result` (name) to wait for that part and re-raise what failed in it.
+    ``root``: the scenario's temporary folder; ``lane``: a dict shared with the scenarios
+    of its lane (e.g. the plant of :meth:`lane_plant`)."""
 
-    def __init__(self, fn, root) -> None:
+    def __init__(self, fn, root, lane: dict) -> None:
         import threading
 
-        self.fn, self.root = fn, root
+        self.fn, self.root, self.lane = fn, root, lane
         self.notes: dict[str, list[str]] = {}
         self._steps: dict[str, BaseException | None] = {}
-        self._plants: list = []
         self._done = threading.Event()
         self._changed = threading.Condition()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"scenario-{fn.__name__}", daemon=True)
 
-    def start(self) -> "Scenario":
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             self.fn(self)
         except BaseException as error:  # noqa: BLE001 - reported by the tests that wait for it
@@ -117,11 +114,21 @@ class Scenario:
                 self._changed.notify_all()
 
     def plant(self, root):
+        """A new plant under ``root``, closed at the latest with the lane."""
         from fedind.deploy_harness import LocalPlant
 
         plant = LocalPlant(root)
-        self._plants.append(plant)
+        self.lane.setdefault("plants", []).append(plant)
         return plant
+
+    def lane_plant(self, site_ids, seed: int):
+        """The lane's plant, set up (README, Deployment, steps 1-3) by the first scenario
+        that asks; it stays up for the next scenario of the lane."""
+        if "plant" not in self.lane:
+            plant = self.plant(self.root / "plant")
+            plant.set_up(site_ids, seed=seed)
+            self.lane["plant"] = plant
+        return self.lane["plant"]
 
     def step(self, name: str):
         import contextlib
@@ -156,33 +163,68 @@ class Scenario:
             raise self._steps[name]
         return self.notes.get(name, [])
 
+
+class Lane:
+    """Scenarios run one after another in a thread; their plants are closed at the end."""
+
+    def __init__(self, name: str) -> None:
+        import threading
+
+        self.name, self.state = name, {}
+        self.scenarios: list[Scenario] = []
+        self._thread = threading.Thread(target=self._run, name=f"lane-{name}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            for scenario in self.scenarios:
+                scenario.run()
+        finally:
+            self.close()
+
+    def start(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def close(self) -> None:
+        for plant in self.state.get("plants", []):
+            plant.close()
+
     def abort(self, timeout: float = 60.0) -> None:
-        """Stop every process of the scenario's plants and wait for its thread."""
-        if not self._done.is_set():
-            for plant in self._plants:
-                plant.close()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.close()  # the running scenario fails fast: its processes are gone
+            self._thread.join(timeout)
 
 
 _SCENARIOS: dict = {}  # scenario function -> Scenario
+_LANES: dict[str, Lane] = {}
 
 
-def _scenario_of(item):
+def _marker(item):
     marker = item.get_closest_marker("scenario")
-    return marker.kwargs["run"] if marker is not None else None
+    return marker.kwargs if marker is not None else None
 
 
-def _start(config, fn) -> Scenario:
-    if fn not in _SCENARIOS:
-        root = config._tmp_path_factory.mktemp(fn.__name__.removesuffix("_scenario")[:30])
-        _SCENARIOS[fn] = Scenario(fn, root).start()
-    return _SCENARIOS[fn]
+def _scenario(config, run, lane: str | None = None) -> Scenario:
+    """The Scenario of ``run``, created (not started) in its lane (its own if None)."""
+    if run not in _SCENARIOS:
+        lane = _LANES.setdefault(lane or run.__name__, Lane(lane or run.__name__))
+        root = config._tmp_path_factory.mktemp(run.__name__.removesuffix("_scenario")[:30])
+        _SCENARIOS[run] = Scenario(run, root, lane.state)
+        lane.scenarios.append(_SCENARIOS[run])
+    return _SCENARIOS[run]
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "scenario(run=fn): the test checks a step of fn, a scenario run in a thread from the end of collection"
+        "markers",
+        "scenario(run=fn, lane=None): the test checks a step of fn, a scenario run in a thread from the end of "
+        "collection (tests/conftest.py); scenarios of one lane run one after another and share a plant",
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that wait for a scenario go last: the suite runs while the scenarios do."""
+    items.sort(key=lambda item: _marker(item) is not None)  # stable: the order within each part is kept
 
 
 def pytest_collection_finish(session):
@@ -192,19 +234,25 @@ def pytest_collection_finish(session):
         skipped = item.get_closest_marker("skip") is not None or any(
             bool(m.args[0]) for m in item.iter_markers("skipif") if m.args and isinstance(m.args[0], bool)
         )
-        if (fn := _scenario_of(item)) is not None and not skipped:
-            _start(session.config, fn)
+        if (marker := _marker(item)) is not None and not skipped:
+            _scenario(session.config, marker["run"], marker.get("lane"))
+    for lane in _LANES.values():
+        lane.start()
 
 
 def pytest_sessionfinish(session):
-    for scenario in _SCENARIOS.values():
-        scenario.abort()
+    for lane in _LANES.values():
+        lane.abort()
 
 
 @pytest.fixture
 def scenario(request) -> Scenario:
-    """The running :class:`Scenario` of this test's ``scenario(run=fn)`` marker."""
-    fn = _scenario_of(request.node)
-    if fn is None:
+    """The :class:`Scenario` of this test's ``scenario(run=fn, lane=...)`` marker."""
+    marker = _marker(request.node)
+    if marker is None:
         raise RuntimeError("the scenario fixture needs @pytest.mark.scenario(run=fn)")
-    return _start(request.config, fn)
+    run = marker["run"]
+    if run not in _SCENARIOS:  # not started at the end of collection: alone, in a lane of its own
+        _scenario(request.config, run, f"{run.__name__}-late")
+        _LANES[f"{run.__name__}-late"].start()
+    return _SCENARIOS[run]

@@ -31,26 +31,27 @@ SITES = ["line-00", "line-01", "line-02"]
 
 def plant_scenario(scenario) -> None:
     """One plant (README, Deployment, steps 1-3: data, keys, SuperLink, registration), then
-    each check in turn, as the tests of a module-scoped plant ran."""
-    with scenario.plant(scenario.root / "plant") as plant:
-        plant.set_up(SITES, seed=1)
-        for check in (an_unregistered_supernode_is_refused, a_supernode_that_does_not_trust_the_plant_ca_is_refused,
-                      a_run_completes_and_a_restarted_site_resumes_with_its_saved_state):
-            with scenario.step(check.__name__):
-                check(plant)
+    each check in turn, as the tests of a module-scoped plant ran. The plant is the lane's:
+    tests/test_server_resume_e2e.py runs on it next, with the SuperNodes left running."""
+    plant = scenario.lane_plant(SITES, seed=1)
+    for check in (an_unregistered_supernode_is_refused, a_supernode_that_does_not_trust_the_plant_ca_is_refused):
+        with scenario.step(check.__name__):
+            check(plant)
+    with scenario.step("a_run_completes_and_a_restarted_site_resumes_with_its_saved_state"):
+        a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant, scenario.lane)
 
 
-@pytest.mark.scenario(run=plant_scenario)
+@pytest.mark.scenario(run=plant_scenario, lane="tls-plant")
 def test_an_unregistered_supernode_is_refused(scenario):
     scenario.result("an_unregistered_supernode_is_refused")
 
 
-@pytest.mark.scenario(run=plant_scenario)
+@pytest.mark.scenario(run=plant_scenario, lane="tls-plant")
 def test_a_supernode_that_does_not_trust_the_plant_ca_is_refused(scenario):
     scenario.result("a_supernode_that_does_not_trust_the_plant_ca_is_refused")
 
 
-@pytest.mark.scenario(run=plant_scenario)
+@pytest.mark.scenario(run=plant_scenario, lane="tls-plant")
 def test_a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(scenario):
     scenario.result("a_run_completes_and_a_restarted_site_resumes_with_its_saved_state")
 
@@ -94,7 +95,7 @@ def scrape_while(alive, port: int, seen: dict) -> None:
         threading.Event().wait(0.5)
 
 
-def a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant):
+def a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant, lane: dict | None = None):
     data = plant.root / "data"
     nodes = {site: plant.start_supernode(site, data / "sites" / site) for site in SITES}
     plant.wait_online(list(nodes.values()))  # 3 SuperNodes online
@@ -117,6 +118,8 @@ def a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant):
     before = load_state(next(plant.state_dir("line-00").glob("run-*")))
     plant.stop(nodes["line-00"], signal.SIGTERM)
     restarted = plant.start_supernode("line-00", data / "sites" / "line-00", name="supernode-line-00-restarted")
+    if lane is not None:  # the SuperNodes the next scenario of the lane may use
+        lane["supernodes"] = {**nodes, "line-00": restarted}
 
     assert run.popen.wait(timeout=240) == 0, run.text()[-4000:]
     scraper.join(timeout=5)

@@ -36,37 +36,42 @@ def _serverapp_pids(plant: LocalPlant) -> list[int]:
 
 
 def resume_scenario(scenario) -> None:
-    """Checked by :func:`test_a_sigkilled_serverapp_resumes_from_its_checkpoint`."""
+    """Checked by :func:`test_a_sigkilled_serverapp_resumes_from_its_checkpoint`. On the
+    lane's plant (set up by tests/test_deployment_e2e.py's scenario when that runs first),
+    with the SuperNodes it left running; those missing are started."""
     with scenario.step("resumed"):
         tmp_path = scenario.root
-        with scenario.plant(tmp_path) as plant:
-            data = plant.set_up(SITES, seed=2)
-            nodes = [plant.start_supernode(site, data / "sites" / site) for site in SITES]
-            plant.wait_online(nodes)  # 3 SuperNodes online
+        plant = scenario.lane_plant(SITES, seed=1)  # closed when the lane ends
+        data = plant.root / "data"
+        nodes = scenario.lane.setdefault("supernodes", {})
+        for site in SITES:
+            if site not in nodes or not nodes[site].alive():
+                nodes[site] = plant.start_supernode(site, data / "sites" / site, name=f"supernode-{site}-resume")
+        plant.wait_online(list(nodes.values()))  # 3 SuperNodes online
 
-            folder = tmp_path / "runs" / "plant-run"
-            run_config = (
-                f"data-root='{data}' run-dir='{tmp_path / 'runs'}' run-name='plant-run' num-server-rounds=3 "
-                f"local-epochs=1 model-width=8 round-timeout=120.0 phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0"
-            )
-            first = plant.start("flwr-run-1", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
-            plant.wait_for(lambda: (folder / "checkpoints" / "round-000001").is_dir(), 300, "the round-1 checkpoint", first)
-            killed = _serverapp_pids(plant)
-            assert killed, "no flwr-serverapp process found under the SuperLink"
-            for pid in killed:
-                os.kill(pid, signal.SIGKILL)
-            plant.stop(first)  # the operator's `flwr run --stream` of the dead run
-            assert not (folder / "summary.json").exists()
-            saved_rounds = sorted(int(p.name[6:]) for p in (folder / "checkpoints").glob("round-??????"))
-            assert 1 <= saved_rounds[-1] < 3
+        folder = tmp_path / "runs" / "plant-run"
+        run_config = (
+            f"data-root='{data}' run-dir='{tmp_path / 'runs'}' run-name='plant-run' num-server-rounds=3 "
+            f"local-epochs=1 model-width=8 round-timeout=120.0 phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0"
+        )
+        first = plant.start("flwr-run-1", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
+        plant.wait_for(lambda: (folder / "checkpoints" / "round-000001").is_dir(), 300, "the round-1 checkpoint", first)
+        killed = _serverapp_pids(plant)
+        assert killed, "no flwr-serverapp process found under the SuperLink"
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        plant.stop(first)  # the operator's `flwr run --stream` of the dead run
+        assert not (folder / "summary.json").exists()
+        saved_rounds = sorted(int(p.name[6:]) for p in (folder / "checkpoints").glob("round-??????"))
+        assert 1 <= saved_rounds[-1] < 3
 
-            second = plant.start(
-                "flwr-run-2", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config + " resume=true"]
-            )
-            assert second.popen.wait(timeout=400) == 0, second.text()[-4000:]
-            log = second.text()
-            assert f"resuming run plant-run at round {saved_rounds[-1] + 1}" in log
-            assert "fedind run 'plant-run' finished: 3 rounds, 3 sites" in log
+        second = plant.start(
+            "flwr-run-2", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config + " resume=true"]
+        )
+        assert second.popen.wait(timeout=400) == 0, second.text()[-4000:]
+        log = second.text()
+        assert f"resuming run plant-run at round {saved_rounds[-1] + 1}" in log
+        assert "fedind run 'plant-run' finished: 3 rounds, 3 sites" in log
 
         summary = json.loads((folder / "summary.json").read_text())
         assert summary["rounds"] == 3 and sorted(summary["per_site"]) == SITES
@@ -76,6 +81,6 @@ def resume_scenario(scenario) -> None:
         assert all(np.all(np.isfinite(v)) for v in model.values())
 
 
-@pytest.mark.scenario(run=resume_scenario)  # runs in a thread from the end of collection (conftest.py)
+@pytest.mark.scenario(run=resume_scenario, lane="tls-plant")  # runs in a thread from the end of collection (conftest.py)
 def test_a_sigkilled_serverapp_resumes_from_its_checkpoint(scenario):
     scenario.result("resumed")
