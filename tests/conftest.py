@@ -1,7 +1,18 @@
 """Shared pytest fixtures."""
 
-import pytest
-from flwr.supercore.task_identity import TaskIdentity
+import os
+
+# One thread per process for torch's OpenMP and for BLAS, in this process and in every
+# process the tests start (plants' ClientApps, the SIGKILL child, Ray workers inherit the
+# environment). The suite's models are tiny: on a shared 2-core machine OpenMP's spinning
+# worker threads burned ~5x the CPU of the work itself (tests/test_training.py,
+# test_ewc.py and test_faults.py: 69 s of CPU with 2 threads, 13 s with 1). Set before
+# torch is imported; a value already in the environment is kept.
+for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
+
+import pytest  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 
 @pytest.fixture
