@@ -27,58 +27,72 @@ def flower_task_identity(monkeypatch):
 #
 # Most federation tests run on the loopback runtime (fedind.loopback: the sites called in
 # this process, no start-up). Flower's Simulation Runtime (Ray, a worker process per site)
-# starts once per session, here, for the tests that need it: every run below shares that
-# start (simulate_many), and each is asserted on by the test named next to it.
+# starts once per session, for the tests that use ``ray_runs``: tests/ray_batch.py, in a
+# process of its own started as soon as collection ends, so that it runs while the other
+# tests do.
 
-RAY_TOPK = dict(  # tests/test_simulation.py::test_same_seed_gives_a_bit_identical_model_on_cpu_alone_or_batched
-    num_server_rounds=2, num_sites=3, dirichlet_alpha=0.3, samples_per_site=60, local_epochs=5, batch_size=8,
-    learning_rate=0.01, model_width=16, device="cpu", seed=0, compression="topk", topk_ratio=0.05,
-)
-RAY_ENCRYPTED = dict(  # tests/test_secure.py::test_simulation_end_to_end_without_the_server_loading_the_private_key
-    num_server_rounds=2, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
-    model_width=8, device="cpu", strategy="dwa", encryption="paillier",
-)
+_RAY_BATCH: dict = {}  # "process", "out", "log"
+
+
+def _start_ray_batch(config) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if _RAY_BATCH:
+        return
+    out = config._tmp_path_factory.mktemp("ray")
+    log = open(out / "ray_batch.log", "wb")  # noqa: SIM115 - the child writes it; closed below
+    try:
+        process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("ray_batch.py")), str(out)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,  # its group: Ray's processes too
+        )
+    finally:
+        log.close()
+    _RAY_BATCH.update(process=process, out=out, log=out / "ray_batch.log")
+
+
+def _stop_ray_batch() -> None:
+    import os
+    import signal
+
+    process = _RAY_BATCH.get("process")
+    if process is not None and process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 @pytest.fixture(scope="session")
-def ray_runs(tmp_path_factory) -> dict:
-    """Summaries of three runs in one Ray simulation (``simulate_many``): ``first`` and
-    ``second`` (RAY_TOPK, the same config twice), ``encrypted`` (RAY_ENCRYPTED with a
-    Paillier key pair). While Ray runs, this process — the ServerApp's — may not load or
-    build a Paillier private key: the sites (Ray workers, other processes) do.
-    Also ``configs`` (the RunConfig of each), ``run_dir`` and ``private_key_loads``
-    (attempts in this process: must stay [])."""
-    from dataclasses import replace
+def ray_runs(request) -> dict:
+    """What tests/ray_batch.py wrote: summaries of three runs in one Ray simulation
+    (``simulate_many``): ``first`` and ``second`` (RAY_TOPK, the same config twice),
+    ``encrypted`` (RAY_ENCRYPTED with a Paillier key pair, the ServerApp's process barred
+    from the private key); ``configs`` (the RunConfig of each), ``run_dir`` and
+    ``private_key_loads`` (attempts in the ServerApp's process: must stay [])."""
+    import json
+    import subprocess
+    from pathlib import Path
 
-    from fedind import crypto
     from fedind.config import RunConfig
-    from fedind.simulation import simulate_many
 
-    run_dir = tmp_path_factory.mktemp("ray")
-    keys = tmp_path_factory.mktemp("ray-keys")
-    crypto.save_keypair(crypto.generate_keypair(512), keys / "paillier.key", keys / "paillier.pub")
-    topk = RunConfig(**RAY_TOPK, run_dir=str(run_dir))
-    encrypted = RunConfig(
-        **RAY_ENCRYPTED, paillier_public_key=str(keys / "paillier.pub"),
-        paillier_private_key=str(keys / "paillier.key"), run_dir=str(run_dir), run_name="encrypted",
-    )
-    loads: list[str] = []
-
-    def forbidden(*args, **kwargs):
-        loads.append(repr(args))
-        raise AssertionError("the server process touched a Paillier private key")
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(crypto, "load_private_key", forbidden)
-        patch.setattr(crypto.PrivateKey, "__init__", forbidden)
-        first, second, enc = simulate_many(
-            [replace(topk, run_name="first"), replace(topk, run_name="second"), encrypted], runtime="ray"
-        )
-    return {
-        "first": first, "second": second, "encrypted": enc, "run_dir": run_dir, "private_key_loads": loads,
-        "configs": {"first": replace(topk, run_name="first"), "second": replace(topk, run_name="second"),
-                    "encrypted": encrypted},
-    }
+    _start_ray_batch(request.config)  # started at the end of collection already, normally
+    process, out = _RAY_BATCH["process"], _RAY_BATCH["out"]
+    try:
+        returncode = process.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        _stop_ray_batch()
+        raise
+    if returncode != 0 or not (out / "ray_runs.json").exists():
+        tail = _RAY_BATCH["log"].read_text(errors="replace")[-6000:]
+        raise RuntimeError(f"tests/ray_batch.py exited with {returncode}:\n{tail}")
+    runs = json.loads((out / "ray_runs.json").read_text())
+    runs["configs"] = {name: RunConfig.from_flower(values) for name, values in runs["configs"].items()}
+    runs["run_dir"] = Path(runs["run_dir"])
+    return runs
 
 
 # --------------------------------------------------------------------------- scenarios that start early
@@ -249,11 +263,14 @@ def pytest_collection_finish(session):
             _scenario(session.config, marker["run"], marker.get("lane"))
     for lane in _LANES.values():
         lane.start()
+    if any("ray_runs" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_ray_batch(session.config)
 
 
 def pytest_sessionfinish(session):
     for lane in _LANES.values():
         lane.abort()
+    _stop_ray_batch()
 
 
 @pytest.fixture

@@ -372,10 +372,11 @@ def test_the_server_refuses_a_private_key_file_and_missing_key(key_files, site_s
 
 
 def test_simulation_end_to_end_without_the_server_loading_the_private_key(ray_runs):
-    """The ServerApp runs in this process, the sites in Ray workers: with private keys
-    forbidden in this process, the run still aggregates every round. (The run is one of
-    the suite's single Ray start: ``ray_runs["encrypted"]``, conftest.py, which forbids
-    ``crypto.load_private_key`` and ``crypto.PrivateKey.__init__`` here while Ray runs.)"""
+    """The ServerApp runs in one process, the sites in Ray workers: with private keys
+    forbidden in the ServerApp's process, the run still aggregates every round. (The run
+    is one of the suite's single Ray start, ``ray_runs["encrypted"]``: tests/ray_batch.py,
+    whose process is the ServerApp's and forbids ``crypto.load_private_key`` and
+    ``crypto.PrivateKey.__init__`` while Ray runs.)"""
     config = ray_runs["configs"]["encrypted"]
     assert (config.strategy, config.encryption, config.num_server_rounds, config.num_sites) == ("dwa", "paillier", 2, 3)
     assert ray_runs["private_key_loads"] == []

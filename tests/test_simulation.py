@@ -2,8 +2,8 @@
 
 The runs use the loopback runtime (fedind.loopback: the sites are called in this process,
 no start-up). Flower's Simulation Runtime (Ray, ~10-15 s to start on 2 cores) runs once
-for the whole suite (``ray_runs`` in conftest.py); the determinism test here checks that
-both runtimes give the same model, bit for bit.
+for the whole suite, in a process of its own (``ray_runs``: tests/ray_batch.py); the
+determinism test here checks that both runtimes give the same model, bit for bit.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def test_same_seed_gives_a_bit_identical_model_on_cpu_alone_or_batched(tmp_path,
     top-k keeps error-feedback residuals in the sites' ``context.state``, and the second
     run starts without the first's (``run_scope_mod``); the first run of a fresh simulation
     is a run alone. The same holds on both runtimes, and they agree bit for bit: Flower's
-    Simulation Runtime (Ray: ``ray_runs["first"]``, ``["second"]``, conftest.py) and the
+    Simulation Runtime (Ray: ``ray_runs["first"]``, ``["second"]``, tests/ray_batch.py) and the
     loopback grid (one torch thread per site, as a Ray actor with one CPU has)."""
     config = RunConfig(**{**SHORT, "num_server_rounds": 2}, compression="topk", topk_ratio=0.05,
                        run_dir=str(tmp_path))
