@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -256,8 +256,6 @@ def test_sigkilled_server_resumes_and_finishes_bit_identical(tmp_path):
     from fedind.simulation import simulate
 
     base = dict(num_server_rounds=5, num_sites=3, samples_per_site=40, local_epochs=1, run_dir=str(tmp_path))
-    clean = simulate(RunConfig(run_name="clean", **base), runtime="loopback")
-
     killed = {**base, "run_name": "killed"}
     checkpoints = tmp_path / "killed" / "checkpoints"
     child = subprocess.Popen(
@@ -267,22 +265,36 @@ def test_sigkilled_server_resumes_and_finishes_bit_identical(tmp_path):
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    try:
-        # Wait (no polling) for the child's line saying the checkpoint of round 3 is saved.
-        with selectors.DefaultSelector() as selector:
-            selector.register(child.stdout, selectors.EVENT_READ)
-            deadline = time.monotonic() + 240
-            while True:
-                assert selector.select(timeout=max(0.0, deadline - time.monotonic())), "no checkpoint of round 3 in time"
-                line = child.stdout.readline()
-                assert line, "the run to be killed ended early"
-                if int(line) >= 3:
+    saved: list[int] = []
+
+    def kill_after_round_3() -> None:
+        """Wait (no polling) for the child's line saying the checkpoint of round 3 is
+        saved, then SIGKILL its process group (also when it ended early)."""
+        try:
+            for line in child.stdout:
+                saved.append(int(line))
+                if saved[-1] >= 3:
                     break
-        assert (checkpoints / "round-000003").is_dir()
+        finally:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    watcher = threading.Thread(target=kill_after_round_3, daemon=True)
+    watcher.start()
+    try:
+        # Meanwhile, here: the same run without interruption.
+        clean = simulate(RunConfig(run_name="clean", **base), runtime="loopback")
+        watcher.join(timeout=240)
     finally:
-        os.killpg(child.pid, signal.SIGKILL)
+        if watcher.is_alive():
+            os.killpg(child.pid, signal.SIGKILL)
         child.wait()
+        watcher.join(timeout=10)
         child.stdout.close()
+    assert saved and saved[-1] >= 3, f"no checkpoint of round 3 in time (saved: {saved})"
+    assert (checkpoints / "round-000003").is_dir()
     assert not (tmp_path / "killed" / "summary.json").exists()
     newest = max(CheckpointStore(checkpoints).rounds())
     assert 3 <= newest < 5
