@@ -8,7 +8,7 @@
    server with the right reason; the model stays finite and is bit for bit the model of a
    run in which site 0 sends nothing at all (its train handler crashes every round): the
    bad updates had no influence whatever. The clean run (no attacker) says what losing
-   site 0's update costs. About 10 s on 2 busy cores (three runs, no Ray start).
+   site 0's update costs. About 20 s on 2 busy cores (three runs, no Ray start).
 2. Deployment (``deployment`` marker, fedind.deploy_harness; a scenario that runs in a thread
    from the end of collection, conftest.py, while the other tests run): three SuperNodes over TLS;
    one is SIGKILLed while it trains; the round ends at ``round-timeout`` with the other two,
