@@ -4,7 +4,10 @@ Two runtimes: ``"ray"``, Flower's Simulation Runtime (``run_simulation``: Ray, o
 process per site, ~10-15 s to start on 2 cores), and ``"loopback"``, the sites called one
 after another in this process through :class:`fedind.loopback.LoopbackGrid` (no start-up;
 for the server's round logic). For the same seed on CPU both give the same model, bit for
-bit (tests/test_simulation.py)."""
+bit (tests/test_simulation.py), when the server's and each site's torch thread counts are
+the same in both (a Ray actor with ``num_cpus=1`` trains on one thread; ``"loopback"``
+runs each site on ``num_cpus`` threads for that reason) and every site trains every round
+(Ray draws new node ids at every start; :mod:`fedind.loopback`)."""
 
 from __future__ import annotations
 
