@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class LocalPlant:
     port: int = field(default_factory=free_port)
     procs: list[Proc] = field(default_factory=list)
     connection: str = "plant"
+    closed: bool = False  # once closed (another thread may close it), the plant starts nothing more
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -123,16 +126,19 @@ class LocalPlant:
 
     def start(self, name: str, args: Sequence[str], flwr_home: Path | None = None) -> Proc:
         log = self.logs / f"{name}.log"
-        out = open(log, "ab")  # noqa: SIM115 - the child writes it; closed with the process
-        try:
-            popen = subprocess.Popen(
-                [str(a) for a in args], cwd=REPO, env=self.env(flwr_home), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            out.close()
-        proc = Proc(name, popen, log)
-        self.procs.append(proc)
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"the plant in {self.root} is closed: {name} not started")
+            out = open(log, "ab")  # noqa: SIM115 - the child writes it; closed with the process
+            try:
+                popen = subprocess.Popen(
+                    [str(a) for a in args], cwd=REPO, env=self.env(flwr_home), stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            finally:
+                out.close()
+            proc = Proc(name, popen, log)
+            self.procs.append(proc)
         return proc
 
     # ----------------------------------------------------------------- set-up, as in README
@@ -256,7 +262,10 @@ class LocalPlant:
             proc.popen.wait(timeout=10)
 
     def close(self) -> None:
-        """Stop everything this plant started, SuperNodes first, then the SuperLink."""
+        """Stop everything this plant started, SuperNodes first, then the SuperLink; start
+        nothing more."""
+        with self._lock:
+            self.closed = True
         for proc in sorted(reversed(self.procs), key=lambda p: p.name == "superlink"):
             self.stop(proc, timeout=10)
 

@@ -142,6 +142,8 @@ class Scenario:
         """A new plant under ``root``, closed at the latest with the lane."""
         from fedind.deploy_harness import LocalPlant
 
+        if self.lane.get("aborted"):
+            raise RuntimeError("the test session is ending: no new plant")
         plant = LocalPlant(root)
         self.lane.setdefault("plants", []).append(plant)
         return plant
@@ -215,9 +217,11 @@ class Lane:
             plant.close()
 
     def abort(self, timeout: float = 60.0) -> None:
+        self.state["aborted"] = True  # no new plant; a closed plant starts no process
         if self._thread.is_alive():
             self.close()  # the running scenario fails fast: its processes are gone
             self._thread.join(timeout)
+            self.close()  # what it started meanwhile, if anything
 
 
 _SCENARIOS: dict = {}  # scenario function -> Scenario
