@@ -157,6 +157,7 @@ class CompressedDownlink:
         self._answered: set[int] = set()  # nodes whose site answered this round's message
         self.initial = initial
         self._no_init: set[int] = set()  # nodes whose own initial model did not match: sent whole
+        self._init_sent: set[int] = set()  # nodes sent the initial model's spec this round
 
     # -------------------------------------------------------------- outgoing
     def prepare(self, message: Message) -> Message:
@@ -184,6 +185,7 @@ class CompressedDownlink:
                 content[wire.DOWNLINK_WHOLE] = _record({k: self.broadcast[k] for k in whole})
         elif self.initial is not None and self.initial[0] == new and node not in self._no_init:
             downlink[wire.DOWNLINK_INIT] = json.dumps(self.initial[1], sort_keys=True)  # the site builds it
+            self._init_sent.add(node)
         else:
             content[wire.ARRAYS] = _record(self.broadcast)
         sent = {wire.ARRAYS: new}
@@ -270,19 +272,21 @@ class CompressedDownlink:
         # A site that did not answer (off the network, failed) may still hold its older copy:
         # it gets a step next time, and if it refuses it (STALE_DOWNLINK) the whole model at
         # once, in the same round (resend).
-        self._sent, self._rebase, self._answered = {}, {}, set()
+        self._sent, self._rebase, self._answered, self._init_sent = {}, {}, set(), set()
 
     def resend(self, message: Message) -> Message:
         """The message of a site that refused a step (:meth:`wants`), with everything whole."""
         node = message.metadata.dst_node_id
         self.held.pop(node, None)
         self._no_init.add(node)
+        self._init_sent.discard(node)
         return self.prepare(message)
 
-    @staticmethod
-    def refused(reply: Message) -> bool:
-        """Whether an error reply says the site does not hold what a message referred to."""
-        return reply.error.code == STALE_DOWNLINK
+    def refused(self, node: int, reply: Message) -> bool:
+        """Whether an error reply means the site could not use what it was sent: it says it
+        does not hold the copy a message referred to, or it failed on a model it was to
+        build itself (a plain Flower client reads ``arrays`` and finds none)."""
+        return reply.error.code == STALE_DOWNLINK or node in self._init_sent
 
 
 # ------------------------------------------------------------------ site side

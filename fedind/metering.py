@@ -151,9 +151,12 @@ class MeteredGrid(Grid):
         resend, wants = getattr(self._transform, "resend", None), getattr(self._transform, "refused", None)
         if resend is None or wants is None:
             return received
-        refused = [reply for reply in received if reply.has_error() and wants(reply)]
-        nodes = {by_id[r.metadata.reply_to_message_id].metadata.dst_node_id for r in refused
-                 if r.metadata.reply_to_message_id in by_id}
+        def node_of(reply: Message) -> int | None:
+            instruction = by_id.get(reply.metadata.reply_to_message_id)
+            return instruction.metadata.dst_node_id if instruction is not None else None
+
+        refused = [r for r in received if r.has_error() and node_of(r) is not None and wants(node_of(r), r)]
+        nodes = {node_of(r) for r in refused}
         if not nodes:
             return received
         again = [resend(_copy(originals[node])) for node in sorted(nodes)]

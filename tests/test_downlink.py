@@ -130,7 +130,7 @@ def test_a_site_that_lost_its_copy_refuses_the_step_and_is_sent_the_whole_model_
     del site.context.state[BROADCAST]  # a restart without its state
     message = train_message(g, 3)
     stale = site.answer(send(server, message), arrays(9, 0.0))
-    assert stale.has_error() and server.refused(stale)
+    assert stale.has_error() and server.refused(NODE, stale)
     whole = server.resend(Message(RecordDict(dict(message.content.items())), dst_node_id=NODE,
                                   message_type=MessageType.TRAIN))
     assert wire.ARRAYS in whole.content.array_records
@@ -151,7 +151,7 @@ def test_a_site_back_after_missing_rounds_refuses_the_step_it_cannot_apply():
     back = send(server, train_message({k: v + 0.01 for k, v in g.items()}, 3))
     assert wire.ARRAYS not in back.content.array_records  # a step: nothing whole while it is away
     refusal = site.answer(back, arrays(9, 0.0))
-    assert refusal.has_error() and server.refused(refusal)
+    assert refusal.has_error() and server.refused(NODE, refusal)
 
 
 def test_records_the_site_holds_are_sent_once_and_restored_from_its_copy():
@@ -276,7 +276,7 @@ def test_sites_build_the_initial_model_from_its_spec_and_a_mismatch_is_sent_whol
     wrong = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05, initial=(digest(g), {**spec, "seed": 5}))
     other = Site()
     refusal = other.answer(send(wrong, message), {k: np.zeros_like(v) for k, v in g.items()})
-    assert refusal.has_error() and wrong.refused(refusal)
+    assert refusal.has_error() and wrong.refused(NODE, refusal)
     whole = wrong.resend(Message(RecordDict(dict(message.content.items())), dst_node_id=NODE,
                                  message_type=MessageType.TRAIN))
     assert wire.ARRAYS in whole.content.array_records
