@@ -74,9 +74,6 @@ def apply_step(held: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.n
     return {name: (np.asarray(base, np.float32) + change[name]).astype(np.float32) for name, base in held.items()}
 
 
-SPARSE_SUFFIXES = (".shape", ".index", ".value")
-
-
 def pack_sparse(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
     """Lossless compact form of mostly-zero float arrays (a focused EWC Fisher and its
     anchors): per array its shape, the flat indices of its non-zeros (uint32) and their
@@ -153,7 +150,9 @@ class CompressedDownlink:
         # (base digest, step payload or None, names sent whole with the step, new digest)
         self._step: tuple[str, bytes | None, list[str], str] | None = None
         self._sent: dict[int, dict[str, str]] = {}  # node -> what this round's message gives it
-        self._rebase: dict[int, dict[str, np.ndarray]] = {}  # node -> G_t - P_t for dense replies
+        # id of a record shared by the round's messages -> (digest, packed form or None): each
+        # is digested and packed once a round, not once a site
+        self._records: dict[int, tuple[str, dict[str, np.ndarray] | None]] = {}
         self._answered: set[int] = set()  # nodes whose site answered this round's message
         self.initial = initial
         self._no_init: set[int] = set()  # nodes whose own initial model did not match: sent whole
@@ -169,7 +168,7 @@ class CompressedDownlink:
         key = (message.content.config_records.get(wire.CONFIG, {}).get(wire.SERVER_ROUND), id(global_record))
         if self._round_key != key:  # first message of a round: move P once
             self._advance(_numpy(global_record))
-            self._round_key = key
+            self._round_key, self._records = key, {}
         base, payload, whole, new = self._step
         holds = self.held.get(node, {})
         content = RecordDict({k: v for k, v in message.content.items() if k != wire.ARRAYS})
@@ -192,13 +191,15 @@ class CompressedDownlink:
         for name, record in message.content.array_records.items():  # records the site may hold already
             if name == wire.ARRAYS:
                 continue
-            values = _numpy(record)
-            token = digest(values)
+            if id(record) not in self._records:
+                values = _numpy(record)
+                self._records[id(record)] = (digest(values), pack_sparse(values))
+            token, packed = self._records[id(record)]
             sent[name] = token
             if holds.get(name) == token:
                 del content[name]
                 downlink[f"{wire.CACHED_RECORD}{name}"] = token
-            elif (packed := pack_sparse(values)) is not None:
+            elif packed is not None:
                 del content[name]
                 content[f"{wire.SPARSE_RECORD}{name}"] = _record(packed)
         config = message.content.config_records.get(wire.CONFIG)
@@ -210,7 +211,6 @@ class CompressedDownlink:
                 downlink[f"{wire.CACHED_RECORD}{wire.RUN_CONFIG}"] = token
         content[wire.DOWNLINK] = ConfigRecord(downlink)
         self._sent[node] = sent
-        self._rebase[node] = self._gap
         message.content = content
         return message
 
@@ -227,13 +227,12 @@ class CompressedDownlink:
             except ValueError:  # a non-finite gap: send the model whole
                 step = None
         if step is None:
-            self._step = ("", None, [], None)
+            base, whole = "", []
             self.broadcast = {k: np.array(v, copy=True) for k, v in target.items()}
         else:
             base = digest(previous)
             self.broadcast = {k: moved[k] if k in moved else np.array(target[k], copy=True) for k in target}
-            self._step = (base, step, whole, None)
-        self._step = self._step[:3] + (digest(self.broadcast),)
+        self._step = (base, step, whole, digest(self.broadcast))
         self._gap = {k: (target[k].astype(np.float32) - self.broadcast[k]) for k in target if target[k].dtype.kind == "f"}
 
     # -------------------------------------------------------------- replies
@@ -252,9 +251,9 @@ class CompressedDownlink:
                 return Message(Error(code=STALE_DOWNLINK, reason=f"rejected packed record: {err}"), reply_to=instruction)
         dense = not reply.has_error() and wire.ARRAYS in reply.content.array_records
         reply = self.inner(instruction, reply)  # a sparse reply becomes G_t + delta here
-        gap = self._rebase.get(node)
-        if not dense or reply.has_error() or gap is None:
+        if not dense or reply.has_error() or node not in self._sent:
             return reply
+        gap = self._gap  # the round's G_t - P_t
         # A dense reply holds P_t + delta (the site trained from P_t); the strategy expects G_t + delta.
         weights = _numpy(reply.content[wire.ARRAYS])
         rebased = {k: (w + gap[k]).astype(w.dtype) if k in gap else w for k, w in weights.items()}
@@ -272,7 +271,7 @@ class CompressedDownlink:
         # A site that did not answer (off the network, failed) may still hold its older copy:
         # it gets a step next time, and if it refuses it (STALE_DOWNLINK) the whole model at
         # once, in the same round (resend).
-        self._sent, self._rebase, self._answered, self._init_sent = {}, {}, set(), set()
+        self._sent, self._answered, self._init_sent = {}, set(), set()
 
     def resend(self, message: Message) -> Message:
         """The message of a site that refused a step (:meth:`wants`), with everything whole."""
