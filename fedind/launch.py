@@ -116,6 +116,12 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_app_arguments(parser: argparse.ArgumentParser) -> None:
+    """APP_DIR and --run-config, as flwr run takes them."""
+    parser.add_argument("app", nargs="?", type=Path, default=Path("."), metavar="APP_DIR", help="default: .")
+    parser.add_argument("--run-config", "-c", action="append", metavar="'k=v ...'", help="as for flwr run")
+
+
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """``fedind check-config`` and ``fedind run`` (fedind.cli)."""
     check = commands.add_parser(
@@ -123,15 +129,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         description="Check the run config that `flwr run APP_DIR --run-config ...` would start: every key "
         "known, every value valid (a typo is named, with the nearest key).",
     )
-    check.add_argument("app", nargs="?", type=Path, default=Path("."), metavar="APP_DIR", help="default: .")
-    check.add_argument("--run-config", "-c", action="append", metavar="'k=v ...'", help="as for flwr run")
+    _add_app_arguments(check)
     check.set_defaults(run=_check_command)
     run = commands.add_parser(
         "run", help="check-config, then flwr run --stream; a failed run exits 1 with its cause",
         description="Check the run config, then run `flwr run APP_DIR <options> --stream`; unlike flwr run, "
         "a run whose ServerApp fails ends with one line naming the cause and exit status 1.",
     )
-    run.add_argument("app", nargs="?", type=Path, default=Path("."), metavar="APP_DIR", help="default: .")
-    run.add_argument("--run-config", "-c", action="append", metavar="'k=v ...'", help="as for flwr run")
+    _add_app_arguments(run)
     run.add_argument("flwr_args", nargs=argparse.REMAINDER, metavar="...", help="options passed to flwr run")
     run.set_defaults(run=_run_command)
