@@ -51,6 +51,10 @@ class ReplyTransform(Protocol):
     def settle(self, accepted: set[int]) -> None:
         """Runs after the screen with the node ids whose replies were accepted."""
 
+    # Optional: ``refused(node, error_reply) -> bool`` and ``resend(message) -> message``, a
+    # message to send again within the round (fedind.downlink: the whole model to a site
+    # that could not use a step).
+
 
 class PerReply:
     """A :class:`ReplyTransform` that only maps each reply: ``fn(instruction, reply) -> reply``."""
@@ -102,7 +106,6 @@ class MeteredGrid(Grid):
         for message in messages:
             self._traffic.downlink_bytes += payload_bytes(message.content)
         self._traffic.messages_sent += len(messages)
-        instructions = originals
         received = list(self._grid.send_and_receive(messages, timeout=timeout))
         # The grid stamps the message ids when it pushes, inside send_and_receive: only now
         # can replies be matched by id.
@@ -116,7 +119,7 @@ class MeteredGrid(Grid):
         for reply in received:
             # Match by message id (the grid stamps it when pushing): an error reply Flower
             # makes for an unreachable node does not come from that node's id.
-            instruction = _instruction_of(reply, by_id, instructions)
+            instruction = _instruction_of(reply, by_id, originals)
             if instruction is not None:
                 answered.add(id(instruction))
             if not reply.has_error():
@@ -125,12 +128,12 @@ class MeteredGrid(Grid):
                     reply = self._transform(instruction, reply)
             replies.append(reply)
         if self._screen is not None:
-            replies = self._screen(instructions, replies)
+            replies = self._screen(originals, replies)
         if self._transform is not None:
             self._transform.settle({reply.metadata.src_node_id for reply in replies if not reply.has_error()})
         for reply in replies:
             if reply.has_error():
-                instruction = _instruction_of(reply, by_id, instructions)
+                instruction = _instruction_of(reply, by_id, originals)
                 node = instruction.metadata.dst_node_id if instruction is not None else reply.metadata.src_node_id
                 self._traffic.failures.append(f"node {node}: {reply.error.reason}")
             else:
@@ -194,9 +197,8 @@ class MeteredGrid(Grid):
 def _copy(message: Message) -> Message:
     """A message with the same metadata and a shallow copy of the content, for prepare()
     to rewrite (strategies share one RecordDict between the round's messages)."""
-    copy = Message(RecordDict(dict(message.content.items())), dst_node_id=message.metadata.dst_node_id,
+    return Message(RecordDict(dict(message.content.items())), dst_node_id=message.metadata.dst_node_id,
                    message_type=message.metadata.message_type, group_id=message.metadata.group_id, ttl=message.metadata.ttl)
-    return copy
 
 
 def site_id_of(reply: Message) -> str:
