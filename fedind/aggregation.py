@@ -23,10 +23,12 @@ __all__ = [
     "MomentumBuffer",
     "RestartMomentum",
     "agreement_gain",
+    "class_row_scales",
     "conflict_momentum_aggregate",
     "conflict_aware_aggregate",
     "dwa_weights",
     "kl_divergence",
+    "scale_rows",
     "sign_agreement",
     "split_conflicts",
 ]
@@ -223,6 +225,47 @@ def dwa_weights(
     raw = n * factor
     w = raw / raw.sum()
     return _apply_floor(w, floor * (n / n.sum()))
+
+
+def class_row_scales(weights, histograms) -> np.ndarray:
+    r"""Per site and class, the factor that turns the site-weighted mean of a head row into
+    a mean over the sites that hold the class; shape ``[sites, classes]``.
+
+    With site weights :math:`w_i` (sum 1) and label shares :math:`p_i(c) = h_{ic}/\sum_k h_{ik}`,
+    class :math:`c`'s row is averaged with :math:`W_{ic} = w_i p_i(c) / \sum_j w_j p_j(c)`;
+    the factor is :math:`W_{ic} / w_i`, so that :math:`\sum_i w_i (s_{ic} d_{ic}) = \sum_i W_{ic} d_{ic}`.
+    A site learns a class's row only from windows of that class: averaged over all sites,
+    the one line that holds a new fault class moves its row by a tenth of what it learnt
+    (with ten lines), and the class stays unrecognised. A class no site holds this round
+    keeps the site weights (factor 1). Sites with weight 0 get factor 0.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    h = np.asarray(histograms, dtype=np.float64)
+    if h.ndim != 2 or h.shape[0] != w.size or np.any(h < 0) or not np.all(np.isfinite(h)):
+        raise ValueError(f"Invalid histograms: expected [{w.size}, classes] non-negative counts, got shape {h.shape}")
+    totals = h.sum(axis=1, keepdims=True)
+    shares = np.divide(h, totals, out=np.zeros_like(h), where=totals > 0)
+    mass = (w[:, None] * shares).sum(axis=0)  # sum_j w_j p_j(c)
+    held = mass > 0
+    scales = np.ones_like(shares)
+    scales[:, held] = shares[:, held] / mass[held]
+    scales[w <= 0] = 0.0
+    return scales
+
+
+def scale_rows(deltas: Sequence[Mapping[str, np.ndarray]], scales: np.ndarray, names: Sequence[str]) -> list[dict]:
+    """``deltas`` with the rows (first axis) of the arrays in ``names`` multiplied by the
+    site's ``scales`` row (:func:`class_row_scales`); other arrays are shared, not copied."""
+    out = []
+    for d, s in zip(deltas, np.asarray(scales), strict=True):
+        scaled = dict(d)
+        for name in names:
+            a = np.asarray(d[name])
+            if a.shape[0] != s.size:
+                raise ValueError(f"Invalid deltas[{name!r}]: {a.shape[0]} rows for {s.size} classes")
+            scaled[name] = a * s.reshape((-1,) + (1,) * (a.ndim - 1))
+        out.append(scaled)
+    return out
 
 
 # --------------------------------------------------------------------------- conflicts

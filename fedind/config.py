@@ -63,6 +63,7 @@ class RunConfig:
     dwa_weighting: bool = True  # dwa: weight sites by n_i * exp(-KL(P_i || P_global) / T)
     dwa_temperature: float = 3.0  # dwa: T; larger = closer to FedAvg weights
     dwa_floor: float = 0.1  # dwa: every site keeps at least this share of its FedAvg weight
+    dwa_class_rows: bool = False  # dwa: average each class's head row over the sites holding that class
     dwa_momentum: float = 0.95  # dwa: beta of its restarting server momentum (0 = none); the restart lets it run heavier than FedAvgM's
     conflict_buffer: bool = True  # dwa: route sign-conflicting coordinates through a momentum buffer
     conflict_threshold: float = 0.3  # dwa: sign agreement below this = conflict

@@ -41,6 +41,8 @@ from .metering import site_id_of
 from .screening import InvalidUpdate as InvalidReply  # one exception for "do not aggregate this reply"
 from .screening import check_histogram, read_reply
 from .aggregation import (
+    class_row_scales,
+    scale_rows,
     GlobalHistogram,
     MomentumBuffer,
     RestartMomentum,
@@ -52,7 +54,7 @@ from .aggregation import (
 )
 
 # DWA reads the number of classes from HEAD_WEIGHT ([num_classes, features]) when none is given.
-from .expansion import HEAD_WEIGHT
+from .expansion import HEAD_BIAS, HEAD_WEIGHT
 
 __all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
 
@@ -126,6 +128,10 @@ class DWA(FedAvg):
     restart_agreement : float
         :math:`\rho \in [0, 1]`, with ``restart``: restart a coordinate only where the sites'
         sign agreement is at least :math:`\rho` (0 = wherever the mean opposes the buffer).
+    class_rows : bool
+        Average each class's head row (``head.weight``, ``head.bias``) over the sites that
+        hold the class, weighted by :math:`w_i p_i(c)`
+        (:func:`~fedind.aggregation.class_row_scales`), not over all sites.
     conflict_damping : float
         :math:`\gamma \in [0, 1]`, with server momentum and ``conflict_buffer``: what enters
         the buffer is scaled by :math:`\gamma + (1-\gamma)\min(1, A/\tau)` (1 = no damping).
@@ -152,6 +158,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         restart: bool = True,
         conflict_damping: float = 1.0,
         restart_agreement: float = 0.0,
+        class_rows: bool = False,
         num_classes: int | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
@@ -161,7 +168,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
         evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
     ) -> None:
-        for name, value in (("weighting", weighting), ("conflict_buffer", conflict_buffer), ("restart", restart)):
+        for name, value in (("weighting", weighting), ("conflict_buffer", conflict_buffer), ("restart", restart),
+                            ("class_rows", class_rows)):
             if not isinstance(value, bool):
                 raise ValueError(f"Invalid {name} value: {value!r} (expected True or False)")
         if not (_is_real(temperature) and temperature > 0):
@@ -209,6 +217,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.restart = restart
         self.conflict_damping = float(conflict_damping)
         self.restart_agreement = float(restart_agreement)
+        self.class_rows = class_rows
         self.server_buffer = self._new_server_buffer()
         self._fallback_logged = False
 
@@ -284,6 +293,9 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             for u in updates
         ]
         agreements = {name: sign_agreement([d[name] for d in deltas], weights) for name in current}
+        if self.class_rows and all(u.histogram is not None for u in updates):
+            scales = class_row_scales(weights, [u.histogram for u in updates])
+            deltas = scale_rows(deltas, scales, [n for n in (HEAD_WEIGHT, HEAD_BIAS) if n in current])
         if self.conflict_buffer and isinstance(self.server_buffer, RestartMomentum):
             step = conflict_momentum_aggregate(
                 deltas, weights, self.server_buffer, self.threshold, self.conflict_damping, agreements

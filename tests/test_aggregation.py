@@ -8,9 +8,11 @@ import pytest
 from fedind.aggregation import (
     GlobalHistogram,
     MomentumBuffer,
+    class_row_scales,
     conflict_aware_aggregate,
     dwa_weights,
     kl_divergence,
+    scale_rows,
     sign_agreement,
     split_conflicts,
 )
@@ -469,3 +471,42 @@ def test_conflict_momentum_aggregate_gates_the_restart_by_the_sites_agreement():
     second = [{"w": np.array([-1.0, 1.0])}, {"w": np.array([-1.0, -3.0])}]
     out = conflict_momentum_aggregate(second, [1, 1], m, threshold=0.0)
     np.testing.assert_allclose(out["w"], [-1.0, 0.5 - 1.0])
+
+
+# --------------------------------------------------------------------------- class rows
+
+
+def test_class_rows_average_each_row_over_its_holders():
+    """Row c's mean is sum_i w_i p_i(c) d_i[c] / sum_j w_j p_j(c); a class nobody holds keeps w."""
+    w = np.array([0.5, 0.3, 0.2])
+    h = np.array([[8, 2, 0], [0, 10, 0], [5, 5, 0]])
+    d = [{"head.weight": np.full((3, 2), float(i + 1)), "head.bias": np.full(3, float(i + 1)), "body": np.ones(4)}
+         for i in range(3)]
+    scaled = scale_rows(d, class_row_scales(w, h), ["head.weight", "head.bias"])
+    mean = {n: sum(wi * s[n] for wi, s in zip(w, scaled)) for n in d[0]}
+    p = h / h.sum(axis=1, keepdims=True)
+    for c in (0, 1):
+        W = w * p[:, c] / np.sum(w * p[:, c])
+        expected = float(np.sum(W * np.array([1.0, 2.0, 3.0])))
+        assert mean["head.bias"][c] == pytest.approx(expected)
+        np.testing.assert_allclose(mean["head.weight"][c], expected)
+    assert mean["head.bias"][2] == pytest.approx(0.5 * 1 + 0.3 * 2 + 0.2 * 3)  # nobody holds class 2
+    np.testing.assert_array_equal(mean["body"], np.ones(4))  # other arrays untouched
+    assert scaled[0]["body"] is d[0]["body"]
+
+
+def test_class_rows_give_a_lone_holder_its_whole_row():
+    """The one line holding a new class moves that row by what it learnt, not a tenth of it."""
+    w = np.full(10, 0.1)
+    h = np.tile([50, 50, 0], (10, 1))
+    h[3] = [40, 40, 20]
+    scales = class_row_scales(w, h)
+    assert scales[3, 2] == pytest.approx(10.0)
+    assert np.all(scales[np.arange(10) != 3, 2] == 0)
+
+
+def test_class_rows_refuse_a_bad_histogram():
+    with pytest.raises(ValueError, match="histograms"):
+        class_row_scales([0.5, 0.5], [[1, -1], [2, 2]])
+    with pytest.raises(ValueError, match="rows"):
+        scale_rows([{"head.bias": np.ones(2)}], np.ones((1, 3)), ["head.bias"])
