@@ -7,6 +7,7 @@
     fedind deploy certs --out DIR [--host NAME_OR_IP ...]     (fedind/deploy.py)
     fedind deploy site-keys --out DIR SITE_ID ... | --data-root DIR
     fedind keys paillier --out DIR [--bits B] [--passphrase-env VAR]   (fedind/keys.py)
+    fedind predict --model PATH WINDOWS [--format csv|json] [--out FILE]   (fedind/predict.py)
 
 ``generate`` writes a synthetic federation (``fedind.data.federation``) in the site data
 format of docs/data-format.md and prints the ``flwr run`` command that trains on it; ``check``
@@ -124,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     from .launch import add_commands as add_launch_commands  # noqa: PLC0415
 
     add_launch_commands(commands)  # fedind check-config | run
+
+    from .predict import add_commands as add_predict_commands  # noqa: PLC0415
+
+    add_predict_commands(commands)  # fedind predict
     return parser
 
 
