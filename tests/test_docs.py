@@ -21,7 +21,7 @@ DOCS = ROOT / "docs"
 TEST_COMMAND = 'pip install "torch==2.13.0" -e ".[test]" && pytest -q'
 RUN_COMMAND = (
     'pip install "torch==2.13.0" -e . && FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 '
-    'flwr run . --stream --federation-config "num-supernodes=10"'
+    'flwr run . --stream --federation-config "num-supernodes=10 client-resources-num-cpus=1"'
 )
 OLD_GPU_FEDERATION_CONFIG = (
     "num-supernodes=10 backend.client-resources.num-cpus=2 backend.client-resources.num-gpus=0.25"
