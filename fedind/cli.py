@@ -8,6 +8,7 @@
     fedind deploy site-keys --out DIR SITE_ID ... | --data-root DIR
     fedind keys paillier --out DIR [--bits B] [--passphrase-env VAR]   (fedind/keys.py)
     fedind predict --model PATH WINDOWS [--format csv|json] [--out FILE]   (fedind/predict.py)
+    fedind serve --model PATH | --watch DIR [--host H] [--port P]         (fedind/serve.py)
 
 ``generate`` writes a synthetic federation (``fedind.data.federation``) in the site data
 format of docs/data-format.md and prints the ``flwr run`` command that trains on it; ``check``
@@ -129,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
     from .predict import add_commands as add_predict_commands  # noqa: PLC0415
 
     add_predict_commands(commands)  # fedind predict
+
+    from .serve import add_commands as add_serve_commands  # noqa: PLC0415
+
+    add_serve_commands(commands)  # fedind serve
     return parser
 
 

@@ -35,6 +35,10 @@ class ModelFileError(ValueError):
     """A model file that must not be used; the message names the file and the fault."""
 
 
+class MissingDigestError(ModelFileError):
+    """Nothing vouches for the file's digest yet (its ``.sha256`` may still be on its way)."""
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """A verified model, ready to classify (eval mode, CPU)."""
@@ -73,10 +77,11 @@ def sha256_file(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def load_model(path: Path, expected_sha256: str | None = None) -> LoadedModel:
+def load_model(path: Path, expected_sha256: str | None = None, require_digest: bool = False) -> LoadedModel:
     """Load and verify the model at ``path`` (a ``.safetensors`` file, a run folder or a
     checkpoint folder); ``expected_sha256``: a digest it must also have (e.g. from a
-    summary given apart). Raises :class:`ModelFileError`."""
+    summary given apart). ``require_digest``: refuse a file that nothing beside it vouches
+    for (no ``.sha256``, no summary), as a watcher must. Raises :class:`ModelFileError`."""
     path = Path(path)
     if path.is_dir() and (path / MANIFEST).is_file():
         return _load_checkpoint(path, expected_sha256)
@@ -94,6 +99,8 @@ def load_model(path: Path, expected_sha256: str | None = None) -> LoadedModel:
     claims = _digest_claims(path)
     if expected_sha256:
         claims.append((expected_sha256.strip().lower(), "the expected digest"))
+    if require_digest and not claims:
+        raise MissingDigestError(f"{path}: no {path.name}.sha256 beside it (yet): its digest cannot be checked")
     for claimed, source in claims:
         if claimed != digest:
             raise ModelFileError(
