@@ -239,6 +239,14 @@ class RunConfig:
         length = self.phase_rounds if phase < self.phases - 1 else self.num_server_rounds - start
         return (server_round - 1 - start) / length
 
+    @property
+    def refits_young_rows(self) -> bool:
+        """Whether a class's holders refit its head rows every round of the phase it grew in
+        (fedind.continual): needed where the server averages those rows over every site,
+        which dilutes the holders; not with ``dwa-class-rows``, which averages them over the
+        holders, whose rows moved with the body they trained."""
+        return not (self.strategy in DWA_STRATEGIES and self.dwa_class_rows)
+
     def phase_end_rounds(self) -> tuple[int, ...]:
         """The last round of every phase but the last: after it the sites consolidate."""
         return tuple(p * self.phase_rounds for p in range(1, self.phases))

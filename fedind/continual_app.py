@@ -245,7 +245,7 @@ class PhaseController:
             arrays = _record(set_head_rows(_numpy(arrays), young))
             reset_strategy_rows(self.strategy, arrays, sorted(young))  # no momentum for steps not taken
         if claimed > self.num_classes:
-            if self.young_from is None:
+            if self.young_from is None and self.config.refits_young_rows:
                 self.young_from = self.num_classes
             arrays = self.grow(server_round, arrays, claimed, {k: r for k, r in rows.items() if k >= self.num_classes})
         if self.ewc is not None and self.ewc.phases and self.config.ewc_server_lambda > 0:
