@@ -34,7 +34,7 @@ from . import wire
 from .compression import ErrorFeedback, PayloadError, decode, encode, expected_of, from_record, to_record
 from .config import RunConfig
 
-STALE_DOWNLINK = 1004  # Error code of a site reply: it does not hold the base a message refers to
+STALE_DOWNLINK = wire.STALE_DOWNLINK  # the code's table: fedind.wire
 BROADCAST = "downlink-model"  # context.state ArrayRecord: the site's copy of the broadcast model P
 HELD = "downlink-held"  # context.state ConfigRecord: digest of each record the site holds, by name
 CACHED_PREFIX = "downlink-cache:"  # context.state ArrayRecord per cached record name

@@ -113,7 +113,7 @@ __all__ = [
     "clip_factors", "label_alignment", "norm_outliers", "outlier_bounds", "read_reply",
 ]
 
-REJECTED_UPDATE = 1002  # Error code of a train reply the server screened out
+REJECTED_UPDATE = wire.REJECTED_UPDATE  # the code's table: fedind.wire
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
 ALIGNMENT_FLOOR = 0.01  # label shares below this count as this in the log (absent classes)
 

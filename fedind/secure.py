@@ -66,8 +66,8 @@ from .screening import InvalidUpdate as InvalidReply
 from .screening import check_histogram
 
 PRIVATE_KEY_NODE_CONFIG = "paillier-private-key"  # node config: this site's private key file
-REJECTED_CIPHERTEXT = 1002  # Error code of a reply whose encrypted payload was rejected
-SITE_KEY_MISSING = 1003  # Error code of a site that cannot load its private key
+REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
+SITE_KEY_MISSING = wire.SITE_KEY_MISSING  # the code's table: fedind.wire
 MIN_SITES = 2  # an aggregate of fewer sites would be one site's update
 DECRYPT_ATTEMPTS = 3  # sites asked in turn when a decrypt query fails
 

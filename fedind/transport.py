@@ -41,7 +41,7 @@ from .config import RunConfig
 RESIDUALS = "topk-residuals"  # context.state ArrayRecord: error-feedback residuals
 ESTIMATE = "topk-estimate"  # context.state ArrayRecord: the EF21 estimate of this site's update
 FEEDBACK_STATE = "topk-state"  # context.state ConfigRecord: the compressor's step counter
-REJECTED_PAYLOAD = 1001  # Error code of a site reply whose sparse payload was rejected
+REJECTED_PAYLOAD = wire.REJECTED_PAYLOAD  # the code's table: fedind.wire
 
 
 def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedback | EstimateFeedback:

@@ -11,6 +11,17 @@ ENCRYPTED_UPDATE = "encrypted-update"  # ConfigRecord: site -> server Paillier c
 ENCRYPTED_AGGREGATE = "encrypted-aggregate"  # ConfigRecord: server -> decrypting site, the summed ciphertexts
 AGGREGATE = "aggregate"  # ArrayRecord: decrypting site -> server, the decrypted weighted mean delta
 
+# Error codes of site replies (Flower's ``Error.code``; Flower's own are below 1000), each distinct
+REJECTED_PAYLOAD = 1001  # the server could not decode a sparse (top-k) payload
+REJECTED_CIPHERTEXT = 1002  # the server refused an encrypted payload (fedind.secure)
+SITE_KEY_MISSING = 1003  # a site cannot load its private key (fedind.secure)
+STALE_DOWNLINK = 1004  # a site does not hold the base a downlink step refers to (fedind.downlink)
+REJECTED_UPDATE = 1005  # the server screened a train reply out (fedind.screening)
+SITE_ABSENT = 1006  # a simulated line off the network (simulations/)
+ERROR_CODES = {REJECTED_PAYLOAD: "rejected-payload", REJECTED_CIPHERTEXT: "rejected-ciphertext",
+               SITE_KEY_MISSING: "site-key-missing", STALE_DOWNLINK: "stale-downlink",
+               REJECTED_UPDATE: "rejected-update", SITE_ABSENT: "site-absent"}
+
 # ConfigRecord keys, server -> site
 SERVER_ROUND = "server-round"  # set by Flower's strategies
 RUN_CONFIG = "run-config"  # JSON text of the run config (sites read hyperparameters from it)

@@ -110,7 +110,7 @@ def absent_mod(msg: Message, context: Context, call_next) -> Message:
     if msg.metadata.message_type == MessageType.TRAIN and int(context.node_config.get("partition-id", -1)) == ABSENT_SITE:
         server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
         if server_round in ABSENT_ROUNDS:
-            return Message(Error(code=503, reason=f"line off the network in round {server_round}"), reply_to=msg)
+            return Message(Error(code=wire.SITE_ABSENT, reason=f"line off the network in round {server_round}"), reply_to=msg)
     return call_next(msg, context)
 
 

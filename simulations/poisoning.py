@@ -79,7 +79,7 @@ from fedind.screening import InvalidUpdate, UpdateScreen, check_update, label_al
 from fedind.simulation import simulate  # noqa: E402
 
 KINDS = ("scale", "signflip", "bodyflip", "absent")
-ABSENT_CODE = 1003  # Error code of the absent site's train reply
+ABSENT_CODE = wire.SITE_ABSENT  # Error code of the absent site's train reply
 HONEST_IN_BODYFLIP = "head.bias"  # the array a bodyflip attacker leaves as trained: what the alignment rule reads
 DEFAULT_STRATEGY = "fedavgm"
 CLEAN = "clean"

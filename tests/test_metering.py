@@ -58,3 +58,14 @@ def test_replies_come_back_in_site_order_whatever_the_arrival_order():
     assert [r.content[wire.SITE][wire.SITE_ID] for r in out] == ["line-a", "line-b", "line-c"]
     traffic = grid.take()
     assert traffic.messages_sent == 3 and traffic.uplink_bytes > 0 and traffic.downlink_bytes > 0
+
+
+def test_every_fedind_error_code_is_distinct_and_above_flowers():
+    """One table (fedind.wire): a reply's code names one cause."""
+    from fedind import downlink, screening, secure, transport
+
+    codes = [wire.REJECTED_PAYLOAD, wire.REJECTED_CIPHERTEXT, wire.SITE_KEY_MISSING, wire.STALE_DOWNLINK,
+             wire.REJECTED_UPDATE, wire.SITE_ABSENT]
+    assert len(set(codes)) == len(codes) == len(wire.ERROR_CODES) and min(codes) > 1000
+    assert (transport.REJECTED_PAYLOAD, secure.REJECTED_CIPHERTEXT, secure.SITE_KEY_MISSING, downlink.STALE_DOWNLINK,
+            screening.REJECTED_UPDATE) == tuple(codes[:5])
