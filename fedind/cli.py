@@ -9,6 +9,7 @@
     fedind keys paillier --out DIR [--bits B] [--passphrase-env VAR]   (fedind/keys.py)
     fedind predict --model PATH WINDOWS [--format csv|json] [--out FILE]   (fedind/predict.py)
     fedind serve --model PATH | --watch DIR [--host H] [--port P]         (fedind/serve.py)
+    fedind export --model PATH --calibration NPZ --out FILE [--student-width W]   (fedind/export.py)
 
 ``generate`` writes a synthetic federation (``fedind.data.federation``) in the site data
 format of docs/data-format.md and prints the ``flwr run`` command that trains on it; ``check``
@@ -134,6 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     from .serve import add_commands as add_serve_commands  # noqa: PLC0415
 
     add_serve_commands(commands)  # fedind serve
+
+    from .export import add_commands as add_export_commands  # noqa: PLC0415
+
+    add_export_commands(commands)  # fedind export
     return parser
 
 
