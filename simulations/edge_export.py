@@ -9,7 +9,8 @@ one thread (one window per call, and per window in batches of 256).
 The float model is a finished run's (``--run``: its model.safetensors, verified); without
 one, the pyproject default federation is trained first (loopback simulation, CPU) into
 runs/edge-float. Calibration: site 0's own training windows. Distillation: every site's
-training windows (the teacher's logits and the labels). Writes runs/edge/export.json.
+training windows (the teacher's logits and the labels). A continual run (phases > 1) is
+scored on its last phase's global test set. Writes runs/edge/export.json.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from simulations.common import parse_overrides  # noqa: E402
 
 from fedind.centralized import site_training_data  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
-from fedind.data.sources import global_test_set  # noqa: E402
+from fedind.data.sources import global_test_set, phase_test_set, site_from_partition  # noqa: E402
 from fedind.export import (  # noqa: E402
     distil,
     latency,
@@ -58,6 +59,17 @@ def float_run(run: Path | None) -> Path:
     return folder
 
 
+def evaluation_data(config: RunConfig):
+    """(global test set, every site's training windows); a continual run's: the last
+    phase's test set and every phase's site batches."""
+    if config.phases == 1:
+        return global_test_set(config.federation_spec(), config.data_root), site_training_data(config)
+    spec = None if config.data_root else config.drift_spec()
+    parts = [site_from_partition(spec, config.data_root, i, config.num_sites, p).train
+             for p in range(config.phases) for i in range(config.num_sites)]
+    return phase_test_set(config.drift_spec(), config.data_root, config.phases - 1), parts
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, default=None)
@@ -69,13 +81,10 @@ def main(argv: list[str]) -> None:
     folder = float_run(args.run)
     summary = json.loads((folder / "summary.json").read_text())
     config = RunConfig.from_flower(summary["config"])
-    if config.phases > 1:
-        raise SystemExit(f"{folder}: a continual run; pick a run with one phase (its global test set is fixed)")
     loaded = load_model(folder)  # digests checked
     teacher = loaded.model
-    test = global_test_set(config.federation_spec(), config.data_root)
-    parts = site_training_data(config)
-    calibration = parts[0].x  # the site's own windows
+    test, parts = evaluation_data(config)
+    calibration = parts[-config.num_sites].x  # site 0's own windows (of the last phase)
     pooled_x = np.concatenate([p.x for p in parts])
     pooled_y = np.concatenate([p.y for p in parts])
     started = time.time()
@@ -115,7 +124,8 @@ def main(argv: list[str]) -> None:
         row["meets_bar"] = (row["points_below_float"] <= BAR["accuracy_points"] and row["smaller"] >= BAR["smaller"]
                             and min(row["faster_single"], row["faster_batched"]) >= BAR["faster"])
     print(f"\nfloat model: {folder} (round {loaded.round}, sha256 {loaded.sha256[:16]}…, run final accuracy "
-          f"{summary['final_accuracy']:.4f}); {len(test.y)} global test windows; 1 torch thread\n")
+          f"{summary['final_accuracy']:.4f}); {len(test.y)} global test windows (of phase {config.phases - 1}); "
+          f"1 torch thread\n")
     header = f"{'model':<22}{'accuracy':>9}{'Δ pts':>7}{'agree':>7}{'bytes':>9}{'smaller':>8}{'weights':>8}" \
              f"{'µs/win 1':>10}{'µs/win 256':>11}{'faster 1':>9}{'faster 256':>11}  bar"
     print(header)
