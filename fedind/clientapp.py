@@ -3,7 +3,9 @@
 Hyperparameters come from the run config the server sends with each message, so the
 agent behaves the same under ``flwr run``, ``run_simulation`` and a deployed SuperNode.
 Where the data is comes from the node config: ``data-dir`` (deployment, one site's folder)
-or ``partition-id`` / ``num-partitions`` (simulation).
+or ``partition-id`` / ``num-partitions`` (simulation). With ``serve-dir`` in the node config
+the agent also publishes every global model it receives into that folder, for the line's
+``fedind serve --watch`` (:func:`publish_for_line`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .data.sources import SiteData, site_from_dir, site_from_partition
 from .downlink import downlink_mod
 from .ewc import diagonal_fisher, focus
 from .models import FaultCNN
+from .publish import SERVE_DIR_KEY
 from .training import cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts
 from .site_state import run_scope_mod, state_mod
 from .secure import decrypt_query, paillier_mod
@@ -68,6 +71,20 @@ def receive_model(msg: Message, site: SiteData, config: RunConfig) -> FaultCNN:
     return model
 
 
+def publish_for_line(msg: Message, context: Context, model_round: int) -> None:
+    """With ``serve-dir`` in the node config, publish the global model of ``msg`` (that of
+    ``model_round``) there for the line's service (:func:`fedind.publish.publish_received`:
+    written once per distinct file, atomically, digest file last; a failure is a logged
+    warning, never the message's). The untrained starting model (round 0) is not published.
+    Without the key nothing is imported or computed."""
+    folder = context.node_config.get(SERVE_DIR_KEY)
+    if not folder or model_round < 1:
+        return
+    from .publish import publish_received
+
+    publish_received(str(folder), {k: v.numpy() for k, v in msg.content[wire.ARRAYS].items()}, model_round)
+
+
 def _state(model: torch.nn.Module) -> ArrayRecord:
     return ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
 
@@ -89,6 +106,7 @@ def train(msg: Message, context: Context) -> Message:
     site = load_site_data(context, config, config.phase_of(server_round))
     device = pick_device(config.device)
     model = receive_model(msg, site, config)
+    publish_for_line(msg, context, server_round - 1)  # the global model after the previous round
     num_classes = model.head.out_features
     # New classes (phases > 1) wait until the head has them; classes-seen tells the server.
     train_data = known(site.train, num_classes)
@@ -165,6 +183,9 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     config = run_config_of(msg)
     site = load_site_data(context, config, config.phases - 1)
     model = receive_model(msg, site, config)
+    # The final model (the one evaluate round after the last); a strategy's per-round
+    # evaluate names its round.
+    publish_for_line(msg, context, int(msg.content[wire.CONFIG].get(wire.SERVER_ROUND, config.num_server_rounds)))
     if site.test is None:
         metrics = MetricRecord({wire.NUM_EXAMPLES: 0})
     else:
@@ -185,9 +206,11 @@ def phase_end(msg: Message, context: Context) -> Message:
     site = load_site_data(context, config, phase)
     device = pick_device(config.device)
     model = receive_model(msg, site, config)
+    server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
+    publish_for_line(msg, context, server_round)  # the model the next round trains from
     num_classes = model.head.out_features
     data = known(site.train, num_classes)
-    seed = _site_seed(config, site.site_id, int(msg.content[wire.CONFIG][wire.SERVER_ROUND]))
+    seed = _site_seed(config, site.site_id, server_round)
     content = RecordDict({wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
     metrics = MetricRecord({wire.NUM_EXAMPLES: data.num_examples})
     if config.replay_samples:

@@ -13,10 +13,11 @@ A swap is one reference assignment: a :class:`ModelWatcher` thread polls a folde
 the newest model file fully and verifies it (its ``.sha256`` or checkpoint manifest, the
 FaultCNN shapes: :func:`fedind.predict.load_model`), and only then replaces
 ``ModelSlot.current``. A request reads that reference once, so it is answered by one whole
-model, old or new, and never waits on a load. Writers publish with :func:`publish_model`
-(temporary file, then ``os.replace``; the digest file last): a file whose digest file is
-missing or does not match is not served, and tried again when either changes. A model with
-a grown head (more classes) is just another model.
+model, old or new, and never waits on a load. Writers publish with
+:func:`fedind.publish.publish_model` (temporary file, then ``os.replace``; the digest file
+last), as the site agent does with ``serve-dir`` in its node config: a file whose digest
+file is missing or does not match is not served, and tried again when either changes. A
+model with a grown head (more classes) is just another model.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,29 +49,13 @@ from .predict import (
     classify,
     load_model,
 )
-from .results import save_model
+from .publish import model_file_name, publish_model  # noqa: F401 - the writers' side, re-exported
 
 log = logging.getLogger("fedind.serve")
 
 DEFAULT_PORT = 8470
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 MAX_WINDOWS = 4096  # per request: a bound on one request's memory and time
-
-
-# --------------------------------------------------------------------------- publishing
-
-
-def model_file_name(server_round: int) -> str:
-    return f"model-round-{server_round:06d}.safetensors"
-
-
-def publish_model(folder: Path, arrays: Mapping[str, np.ndarray], server_round: int) -> Path:
-    """Write the global model of ``server_round`` into ``folder`` for a watching service:
-    the file atomically (temporary file, ``os.replace``), then its ``.sha256``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / model_file_name(server_round)
-    save_model(path, arrays, {"format": "fedind.FaultCNN", "round": str(int(server_round))})
-    return path
 
 
 # --------------------------------------------------------------------------- the model in service
