@@ -7,6 +7,11 @@ default observers) quantises every trainable layer, GroupNorm included
 envelope: :class:`fedind.models.VibrationFrontEnd`) stays in float, since its FFT has no
 int8 kernel. Activation ranges are calibrated on the site's own windows.
 
+The file runs a faster front end than training's (:class:`EdgeFrontEnd`): the same
+values up to float rounding, with the Hilbert transform as a real FFT pair (``rfft``, a
+fixed mask, ``irfft``) and the three standardisations fused into one; the module is traced
+for the window length and frozen (weights folded into the graph).
+
 Distillation trains a narrower FaultCNN (``width``) on windows with the teacher's
 softened logits as targets, plus the labels when known (Hinton et al. 2015):
 ``loss = a * CE(s, y) + (1 - a) * T^2 * KL(softmax(t / T) || softmax(s / T))``.
@@ -119,11 +124,56 @@ def distil(
 # --------------------------------------------------------------------------- the file for the line
 
 
+class EdgeFrontEnd(nn.Module):
+    """:class:`fedind.models.VibrationFrontEnd` for windows of ``length`` samples, computed
+    faster and equal up to float rounding. The envelope ``|x + i H(x)|`` of the difference
+    ``d`` is ``hypot(d, H(d))`` with the Hilbert transform ``H(d) = irfft(-i sign(k) rfft(d))``
+    (two real FFTs of length L instead of two complex ones, no complex magnitude), and the
+    three channels are standardised together: one mean, one variance, one division."""
+
+    def __init__(self, length: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        mask = torch.zeros(length // 2 + 1, dtype=torch.complex64)
+        mask[1 : (length + 1) // 2] = -1j  # DC (and the Nyquist bin of an even length) -> 0
+        self.register_buffer("mask", mask)
+        self.length = length
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        diff = nn.functional.pad(x[..., 1:] - x[..., :-1], (1, 0))  # torch.diff with the first sample prepended
+        hilbert = torch.fft.irfft(torch.fft.rfft(diff, dim=-1) * self.mask, n=self.length, dim=-1)
+        z = torch.cat([x, diff, torch.hypot(diff, hilbert)], dim=1)
+        centred = z - z.mean(dim=-1, keepdim=True)
+        return centred / (torch.sqrt((centred * centred).mean(dim=-1, keepdim=True)) + self.eps)
+
+
+class EdgeCNN(nn.Module):
+    """A FaultCNN (float or quantised: :class:`QuantReadyCNN` after ``convert``) with
+    :class:`EdgeFrontEnd` in place of its front end; the layers are shared, not copied."""
+
+    def __init__(self, module: nn.Module, length: int) -> None:
+        super().__init__()
+        self.front = EdgeFrontEnd(length)
+        if isinstance(module, FaultCNN):
+            self.quant, self.dequant = nn.Identity(), nn.Identity()
+            self.layers = nn.Sequential(*list(module.features)[1:])
+        elif isinstance(module, QuantReadyCNN) or hasattr(module, "quant"):
+            self.quant, self.dequant, self.layers = module.quant, module.dequant, module.layers
+        else:
+            raise TypeError(f"cannot export a {type(module).__name__}: a FaultCNN or its int8 model")
+        self.head = module.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.head(self.layers(self.quant(self.front(x)))))
+
+
 def to_torchscript(module: nn.Module, window: tuple[int, int]) -> torch.jit.ScriptModule:
-    """``module`` traced on one window of shape ``window`` = (C, L): the line's computer
-    loads it with ``torch.jit.load`` alone. The window length is fixed by the trace."""
+    """``module`` (a FaultCNN or its int8 model) with the fast front end, traced on one
+    window of shape ``window`` = (C, L) and frozen: the line's computer loads it with
+    ``torch.jit.load`` alone. The window length is fixed by the trace."""
+    edge = EdgeCNN(module.eval(), int(window[-1])).eval()
     with torch.no_grad():
-        return torch.jit.trace(module.eval(), torch.zeros(1, *window), check_trace=False)
+        return torch.jit.freeze(torch.jit.trace(edge, torch.zeros(1, *window), check_trace=False))
 
 
 def torchscript_bytes(module: torch.jit.ScriptModule) -> bytes:
@@ -189,8 +239,9 @@ def add_commands(commands) -> None:
     export = commands.add_parser(
         "export", help="write an int8 model for the line's computer (TorchScript)",
         description="Quantise MODEL to int8 (post-training static quantisation calibrated on the site's own "
-        "windows) and write it as TorchScript (torch.jit.load runs it, no fedind needed). With --student-width, "
-        "first distil a narrower model from MODEL on those windows (their labels too), then quantise it. "
+        "windows) and write it as TorchScript (torch.jit.load runs it, no fedind needed), with a faster front end "
+        "that computes the same values. With --student-width, first distil a narrower model from MODEL on those "
+        "windows (their labels too), then quantise it (or not: --float). "
         "Prints its size and agreement with the float model on the windows.",
     )
     export.add_argument("--model", required=True, type=Path, metavar="PATH", help="model file, run or checkpoint folder")
@@ -199,6 +250,8 @@ def add_commands(commands) -> None:
     export.add_argument("--out", required=True, type=Path, metavar="FILE", help="TorchScript file to write (.pt)")
     export.add_argument("--student-width", type=int, default=None, metavar="W", help="distil a width-W student first")
     export.add_argument("--epochs", type=int, default=30, metavar="E", help="distillation epochs (default %(default)s)")
+    export.add_argument("--float", action="store_true", dest="keep_float",
+                        help="no int8 quantisation: the model (or the student) in float, with the fast front end")
     export.set_defaults(run=_export)
 
 
@@ -212,12 +265,13 @@ def _export(args) -> int:
     source = loaded.model
     if args.student_width is not None:
         source = distil(loaded.model, windows.x, windows.y, width=args.student_width, epochs=args.epochs)
-    int8 = quantize_static(source, windows.x)
-    data = torchscript_bytes(to_torchscript(int8, windows.x.shape[1:]))
+    exported = source if args.keep_float else quantize_static(source, windows.x)
+    data = torchscript_bytes(to_torchscript(exported, windows.x.shape[1:]))
     atomic_write(args.out, data)
     float_bytes = loaded.path.stat().st_size
-    agree = float(np.mean(predict_classes(int8, windows.x) == predict_classes(loaded.model, windows.x)))
-    print(f"wrote {args.out}: int8 {'student width ' + str(args.student_width) if args.student_width else 'model'} "
+    agree = float(np.mean(predict_classes(exported, windows.x) == predict_classes(loaded.model, windows.x)))
+    kind = "float" if args.keep_float else "int8"
+    print(f"wrote {args.out}: {kind} {'student width ' + str(args.student_width) if args.student_width else 'model'} "
           f"of {loaded.path} (sha256 {loaded.sha256[:16]}…), {len(data)} bytes "
           f"({float_bytes / len(data):.1f}x smaller than the float file), "
           f"agrees with the float model on {agree:.1%} of {len(windows.x)} windows")
