@@ -25,6 +25,7 @@ STRATEGIES = (
     "fedind", "fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "trimmedavgm", "dwa"
 )
 DWA_STRATEGIES = ("fedind", "dwa")
+YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual)
 COMPRESSIONS = ("none", "topk")
 ENCRYPTIONS = ("none", "paillier")
 
@@ -63,7 +64,6 @@ class RunConfig:
     dwa_weighting: bool = True  # dwa: weight sites by n_i * exp(-KL(P_i || P_global) / T)
     dwa_temperature: float = 3.0  # dwa: T; larger = closer to FedAvg weights
     dwa_floor: float = 0.1  # dwa: every site keeps at least this share of its FedAvg weight
-    dwa_class_rows: bool = False  # dwa: average each class's head row over the sites holding that class
     dwa_momentum: float = 0.95  # dwa: beta of its restarting server momentum (0 = none); the restart lets it run heavier than FedAvgM's
     conflict_buffer: bool = True  # dwa: route sign-conflicting coordinates through a momentum buffer
     conflict_threshold: float = 0.3  # dwa: sign agreement below this = conflict
@@ -114,6 +114,7 @@ class RunConfig:
     ewc_gamma: float = 1.0  # online EWC: Fisher of earlier phases is scaled by gamma at each consolidation
     ewc_server_lambda: float = 0.0  # server damps each coordinate's drift from its anchor by 1/(1 + this*F) (0 = off)
     ewc_keep: float = 1.0  # EWC: share of the Fisher's coordinates kept at each consolidation (the largest; 1 = all)
+    young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa: averaged over its holders)
 
     def __post_init__(self) -> None:
         checks = {
@@ -184,6 +185,7 @@ class RunConfig:
             "ewc-gamma": 0 <= self.ewc_gamma <= 1,
             "ewc-server-lambda": math.isfinite(self.ewc_server_lambda) and self.ewc_server_lambda >= 0,
             "ewc-keep": 0 < self.ewc_keep <= 1,
+            "young-rows": self.young_rows in YOUNG_ROWS,
         }
         for key, ok in checks.items():
             if not ok:
@@ -191,6 +193,11 @@ class RunConfig:
                 hint = f" (choose from {', '.join(STRATEGIES)})" if key == "strategy" else ""
                 raise ConfigError(f"Invalid run config {key} = {value!r}{hint}")
         self._check_phases()
+        if self.young_rows == "holders" and self.strategy not in DWA_STRATEGIES:
+            raise ConfigError(
+                f"Invalid run config young-rows = 'holders' with strategy = {self.strategy!r}: only "
+                f"DWA ({', '.join(DWA_STRATEGIES)}) averages a class's rows over its holders; use 'refit'"
+            )
         if self.encryption == "paillier":
             self._check_encryption()
 
@@ -238,14 +245,6 @@ class RunConfig:
         start = phase * self.phase_rounds
         length = self.phase_rounds if phase < self.phases - 1 else self.num_server_rounds - start
         return (server_round - 1 - start) / length
-
-    @property
-    def refits_young_rows(self) -> bool:
-        """Whether a class's holders refit its head rows every round of the phase it grew in
-        (fedind.continual): needed where the server averages those rows over every site,
-        which dilutes the holders; not with ``dwa-class-rows``, which averages them over the
-        holders, whose rows moved with the body they trained."""
-        return not (self.strategy in DWA_STRATEGIES and self.dwa_class_rows)
 
     def phase_end_rounds(self) -> tuple[int, ...]:
         """The last round of every phase but the last: after it the sites consolidate."""

@@ -195,8 +195,8 @@ class PhaseController:
         self.rows: list[dict] = []  # per-round scores (phases.csv)
         self.replay: dict[str, dict] = {}  # site -> latest replay figures
         self._records: dict[str, ArrayRecord] | None = None  # EWC records, built once per change
-        # First class whose head row its holders refit every round (see fedind.continual): the
-        # rows grown in the current phase; None when none grew.
+        # First class grown in the current phase (None when none grew): its holders refit its
+        # rows every round, or DWA averages them over the holders (young-rows; fedind.continual).
         self.young_from: int | None = None
 
     # ------------------------------------------------------------------ round hooks
@@ -205,9 +205,17 @@ class PhaseController:
         """``ewc-fisher`` and ``ewc-anchors`` for every train message once a phase ended, and
         ``new-classes`` (``refit-from``) while the current phase has grown rows."""
         records: dict[str, ArrayRecord | ConfigRecord] = dict(self._ewc_records())
-        if self.young_from is not None:
+        if self.young_from is not None and self.config.young_rows == "refit":
             records[wire.NEW_CLASSES] = ConfigRecord({wire.REFIT_FROM: self.young_from})
         return records
+
+    def _set_young(self, first: int | None) -> None:
+        """Classes ``first`` on grew in this phase (None: none). With ``young-rows = holders``
+        DWA averages their rows over the sites that hold them; with ``refit`` the holders
+        refit them every round (:meth:`train_records`)."""
+        self.young_from = first
+        if self.config.young_rows == "holders":
+            self.strategy.average_over_holders(first)
 
     def _ewc_records(self) -> dict[str, ArrayRecord]:
         if self.ewc is None or not self.ewc.phases:
@@ -238,15 +246,16 @@ class PhaseController:
             if wire.NEW_CLASSES in reply.content.config_records:
                 proposing.append((site_id_of(reply), reply.content.config_records[wire.NEW_CLASSES]))
         # Proposals cover the classes from the first young one (or the head's end) on.
-        first = self.num_classes if self.young_from is None else self.young_from
+        refit = self.young_from is not None and self.config.young_rows == "refit"
+        first = self.young_from if refit else self.num_classes
         rows = self._proposed_rows(server_round, arrays, first, claimed, proposing)
         young = {k: r for k, r in rows.items() if k < self.num_classes}
         if young:  # their holders' fit replaces the average, in which the others diluted them
             arrays = _record(set_head_rows(_numpy(arrays), young))
             reset_strategy_rows(self.strategy, arrays, sorted(young))  # no momentum for steps not taken
         if claimed > self.num_classes:
-            if self.young_from is None and self.config.refits_young_rows:
-                self.young_from = self.num_classes
+            if self.young_from is None:
+                self._set_young(self.num_classes)
             arrays = self.grow(server_round, arrays, claimed, {k: r for k, r in rows.items() if k >= self.num_classes})
         if self.ewc is not None and self.ewc.phases and self.config.ewc_server_lambda > 0:
             arrays = self.damp(arrays)
@@ -254,7 +263,7 @@ class PhaseController:
             phase = self.config.phase_of(server_round)
             if phase not in self.consolidated and (self.ewc is not None or self.config.replay_samples):
                 self.end_phase(server_round, phase, arrays)
-            self.young_from = None  # rows grown in a phase are ordinary rows from the next one on
+            self._set_young(None)  # rows grown in a phase are ordinary rows from the next one on
         return arrays
 
     def _proposed_rows(
@@ -461,7 +470,7 @@ class PhaseController:
         if young is not None and not (isinstance(young, int) and not isinstance(young, bool) and 1 <= young <= int(state["num_classes"])):
             raise ValueError(f"Invalid continual state: young_from = {young!r}")
         self.replay = {str(s): dict(e) for s, e in state["replay"].items()}
-        self.young_from = young
+        self._set_young(young)
         self._records = None
 
 

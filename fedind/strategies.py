@@ -79,7 +79,6 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
             restart=config.server_restart,
             conflict_damping=config.conflict_damping,
             restart_agreement=config.restart_agreement,
-            class_rows=config.dwa_class_rows,
             num_classes=num_classes,
             **common,
         )

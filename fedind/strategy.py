@@ -128,10 +128,6 @@ class DWA(FedAvg):
     restart_agreement : float
         :math:`\rho \in [0, 1]`, with ``restart``: restart a coordinate only where the sites'
         sign agreement is at least :math:`\rho` (0 = wherever the mean opposes the buffer).
-    class_rows : bool
-        Average each class's head row (``head.weight``, ``head.bias``) over the sites that
-        hold the class, weighted by :math:`w_i p_i(c)`
-        (:func:`~fedind.aggregation.class_row_scales`), not over all sites.
     conflict_damping : float
         :math:`\gamma \in [0, 1]`, with server momentum and ``conflict_buffer``: what enters
         the buffer is scaled by :math:`\gamma + (1-\gamma)\min(1, A/\tau)` (1 = no damping).
@@ -158,7 +154,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         restart: bool = True,
         conflict_damping: float = 1.0,
         restart_agreement: float = 0.0,
-        class_rows: bool = False,
         num_classes: int | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
@@ -168,8 +163,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
         evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
     ) -> None:
-        for name, value in (("weighting", weighting), ("conflict_buffer", conflict_buffer), ("restart", restart),
-                            ("class_rows", class_rows)):
+        for name, value in (("weighting", weighting), ("conflict_buffer", conflict_buffer), ("restart", restart)):
             if not isinstance(value, bool):
                 raise ValueError(f"Invalid {name} value: {value!r} (expected True or False)")
         if not (_is_real(temperature) and temperature > 0):
@@ -217,7 +211,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.restart = restart
         self.conflict_damping = float(conflict_damping)
         self.restart_agreement = float(restart_agreement)
-        self.class_rows = class_rows
+        # First class whose head rows are averaged over the sites holding it (average_over_holders)
+        self.holder_rows_from: int | None = None
         self.server_buffer = self._new_server_buffer()
         self._fallback_logged = False
 
@@ -230,6 +225,17 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
                 beta=self.server_momentum, restart=self.restart, restart_agreement=self.restart_agreement
             )
         return heavy_ball(self.server_momentum)
+
+    def average_over_holders(self, first: int | None) -> None:
+        """From the next round, average the head rows of classes ``first`` on over the sites
+        that hold each class (:func:`~fedind.aggregation.class_row_scales`), the others over
+        all sites; None: all over all sites. For the rows a phase grew (``young-rows =
+        holders``): averaged over all sites, the one line that holds a new class moves its
+        row by its share of the weights, and a site without the class sends that row almost
+        no gradient under logit adjustment."""
+        if first is not None and not (_is_int(first) and first >= 0):
+            raise ValueError(f"Invalid first class: {first!r}")
+        self.holder_rows_from = first
 
     # ------------------------------------------------------------------ Flower hooks
 
@@ -293,8 +299,9 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             for u in updates
         ]
         agreements = {name: sign_agreement([d[name] for d in deltas], weights) for name in current}
-        if self.class_rows and all(u.histogram is not None for u in updates):
+        if self.holder_rows_from is not None and all(u.histogram is not None for u in updates):
             scales = class_row_scales(weights, [u.histogram for u in updates])
+            scales[:, : self.holder_rows_from] = 1.0  # older classes: the site weights
             deltas = scale_rows(deltas, scales, [n for n in (HEAD_WEIGHT, HEAD_BIAS) if n in current])
         if self.conflict_buffer and isinstance(self.server_buffer, RestartMomentum):
             step = conflict_momentum_aggregate(

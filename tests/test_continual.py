@@ -396,15 +396,24 @@ def test_ewc_state_is_checkpointed_and_survives_a_resume(two_phase_run):
     assert int(rounds[3]["downlink_bytes"]) > 2.5 * int(rounds[0]["downlink_bytes"])  # still sent after the resume
 
 
-def test_with_class_rows_a_grown_row_is_trained_by_its_holders_not_refit(flower_task_identity):
-    """DWA's class rows average a young row over its holders, so the server keeps the
-    aggregate and asks for no refit (a refit fitted on last round's features flickered)."""
-    controller = _controller(ewc_lambda=0.0, strategy="fedind", dwa_class_rows=True)
+def test_with_young_rows_holders_a_grown_row_is_averaged_over_its_holders_not_refit(flower_task_identity):
+    """young-rows = holders: the server keeps the aggregate, asks for no refit, and DWA
+    averages the grown rows over the sites that hold them until the phase ends."""
+    controller = _controller(ewc_lambda=0.0, strategy="fedind", young_rows="holders")
     arrays = ArrayRecord({"head.weight": Array(np.ones((3, 2), np.float32)), "head.bias": Array(np.zeros(3, np.float32))})
     grown = controller.end_of_round(1, arrays, [_train_reply(4, {wire.NEW_ROWS: [0.5, -0.5, 2.0], wire.NEW_COUNTS: [7]})])
     np.testing.assert_array_equal(grown["head.weight"].numpy(), [[1, 1]] * 3 + [[0.5, -0.5]])  # grown from the proposal
-    assert controller.young_from is None and wire.NEW_CLASSES not in controller.train_records(2)
+    assert controller.young_from == 3 and controller.strategy.holder_rows_from == 3
+    assert wire.NEW_CLASSES not in controller.train_records(2)
     averaged = ArrayRecord({"head.weight": Array(np.full((4, 2), 9.0, np.float32)),
                             "head.bias": Array(np.zeros(4, np.float32))})
     kept = controller.end_of_round(2, averaged, [_train_reply(4, {wire.NEW_ROWS: [0.25, 0.75, -1.0], wire.NEW_COUNTS: [2]})])
     np.testing.assert_array_equal(kept["head.weight"].numpy(), np.full((4, 2), 9.0))
+    assert controller.young_from is None and controller.strategy.holder_rows_from is None  # the phase ended
+    controller.load_state_dict({**controller.state_dict(), "young_from": 3})  # a resumed run
+    assert controller.strategy.holder_rows_from == 3
+
+
+def test_young_rows_holders_needs_dwa():
+    with pytest.raises(ConfigError, match="young-rows"):
+        RunConfig(strategy="fedavgm", young_rows="holders")

@@ -599,3 +599,20 @@ def test_conflict_aware_server_momentum_is_one_restarting_buffer():
     np.testing.assert_allclose(restored.server_buffer.state_dict()["buffers"]["w"], v, rtol=1e-6)
     with pytest.raises(ValueError, match="conflict_damping"):
         dwa(conflict_damping=1.5)
+
+
+def test_rows_from_average_over_holders_follow_the_sites_holding_each_class():
+    """average_over_holders(2): class 2's rows take the holder's delta, older rows FedAvg's."""
+    head = {"head.weight": np.zeros((3, 2), np.float32), "head.bias": np.zeros(3, np.float32)}
+    holder = {"head.weight": np.full((3, 2), 1.0, np.float32), "head.bias": np.full(3, 1.0, np.float32)}
+    other = {"head.weight": np.full((3, 2), 3.0, np.float32), "head.bias": np.full(3, 3.0, np.float32)}
+    sites = [Site(holder, 10, [5, 3, 2], "a"), Site(other, 10, [5, 5, 0], "b")]
+    strategy = dwa(weighting=False, conflict_buffer=False)
+    strategy.average_over_holders(2)
+    arrays, _, _ = run_round(strategy, head, sites)
+    got = as_numpy(arrays)
+    np.testing.assert_allclose(got["head.bias"], [2.0, 2.0, 1.0])  # rows 0, 1: the mean; row 2: its holder
+    np.testing.assert_allclose(got["head.weight"], [[2.0, 2.0], [2.0, 2.0], [1.0, 1.0]])
+    strategy.average_over_holders(None)
+    arrays, _, _ = run_round(strategy, head, sites, server_round=2)
+    np.testing.assert_allclose(as_numpy(arrays)["head.bias"], [2.0, 2.0, 2.0])
