@@ -205,16 +205,16 @@ class PhaseController:
         """``ewc-fisher`` and ``ewc-anchors`` for every train message once a phase ended, and
         ``new-classes`` (``refit-from``) while the current phase has grown rows."""
         records: dict[str, ArrayRecord | ConfigRecord] = dict(self._ewc_records())
-        if self.young_from is not None and self.config.young_rows == "refit":
+        if self.young_from is not None and self.config.refits_young_rows:
             records[wire.NEW_CLASSES] = ConfigRecord({wire.REFIT_FROM: self.young_from})
         return records
 
     def _set_young(self, first: int | None) -> None:
-        """Classes ``first`` on grew in this phase (None: none). With ``young-rows = holders``
-        DWA averages their rows over the sites that hold them; with ``refit`` the holders
-        refit them every round (:meth:`train_records`)."""
+        """Classes ``first`` on grew in this phase (None: none): DWA averages their rows over
+        the sites that hold them (``young-rows = holders``), or the holders refit them every
+        round (:meth:`train_records`; ``refit``, and every other strategy)."""
         self.young_from = first
-        if self.config.young_rows == "holders":
+        if not self.config.refits_young_rows:
             self.strategy.average_over_holders(first)
 
     def _ewc_records(self) -> dict[str, ArrayRecord]:
@@ -246,7 +246,7 @@ class PhaseController:
             if wire.NEW_CLASSES in reply.content.config_records:
                 proposing.append((site_id_of(reply), reply.content.config_records[wire.NEW_CLASSES]))
         # Proposals cover the classes from the first young one (or the head's end) on.
-        refit = self.young_from is not None and self.config.young_rows == "refit"
+        refit = self.young_from is not None and self.config.refits_young_rows
         first = self.young_from if refit else self.num_classes
         rows = self._proposed_rows(server_round, arrays, first, claimed, proposing)
         young = {k: r for k, r in rows.items() if k < self.num_classes}

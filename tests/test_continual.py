@@ -414,6 +414,11 @@ def test_with_young_rows_holders_a_grown_row_is_averaged_over_its_holders_not_re
     assert controller.strategy.holder_rows_from == 3
 
 
-def test_young_rows_holders_needs_dwa():
-    with pytest.raises(ConfigError, match="young-rows"):
-        RunConfig(strategy="fedavgm", young_rows="holders")
+def test_young_rows_holders_is_refit_under_a_strategy_that_cannot_average_over_holders(flower_task_identity):
+    """--run-config strategy='fedavgm' on top of the recipe runs, with the refit."""
+    assert not RunConfig(strategy="fedind", young_rows="holders").refits_young_rows
+    assert RunConfig(strategy="fedavgm", young_rows="holders").refits_young_rows
+    controller = _controller(ewc_lambda=0.0, strategy="fedavgm", young_rows="holders")
+    arrays = ArrayRecord({"head.weight": Array(np.ones((3, 2), np.float32)), "head.bias": Array(np.zeros(3, np.float32))})
+    controller.end_of_round(1, arrays, [_train_reply(4, {wire.NEW_ROWS: [0.5, -0.5, 2.0], wire.NEW_COUNTS: [7]})])
+    assert controller.train_records(2)[wire.NEW_CLASSES][wire.REFIT_FROM] == 3
