@@ -1,9 +1,11 @@
 """Shared bits of the simulation scripts: run config from pyproject + key=value overrides,
-and which runs are finished."""
+which runs are finished, and their figures."""
 
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from fedind.config import RunConfig
@@ -41,3 +43,21 @@ def _toml_value(raw: str):
 def finished(config: RunConfig) -> bool:
     """Whether ``config``'s run folder holds a summary: benchmarks reuse finished runs."""
     return (run_folder(config) / "summary.json").exists()
+
+
+@contextmanager
+def saved_figure(path: Path, nrows: int = 1, ncols: int = 1, **subplots) -> Iterator[tuple]:
+    """``(fig, axes)`` of ``plt.subplots(nrows, ncols, **subplots)`` on the file backend
+    (no display needed), laid out and written to ``path`` (110 dpi) when the block ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, **subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import finished, parse_overrides  # noqa: E402
+from simulations.common import finished, parse_overrides, saved_figure  # noqa: E402
 
 from fedind.serverapp import run_folder  # noqa: E402
 from fedind.simulation import simulate_many  # noqa: E402
@@ -159,24 +159,16 @@ def _steady_uplink(rows: list[dict], config) -> float:
 
 
 def _plot(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_acc, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
-        ax_acc.plot(range(1, len(r["curve"]) + 1), r["curve"], label=r["variant"])
-    ax_acc.set(xlabel="round", ylabel="global test accuracy (mean over seeds)", ylim=(0, 1), title="accuracy")
-    ax_acc.grid(alpha=0.3)
-    ax_acc.legend()
-    names = [r["variant"] for r in results]
-    ax_bytes.bar(names, [r["uplink"] / 1e3 for r in results])
-    ax_bytes.set(ylabel="uplink kB per round (all sites)", yscale="log", title="uplink per round (log scale)")
-    ax_bytes.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with saved_figure(path, 1, 2, figsize=(11, 4)) as (fig, (ax_acc, ax_bytes)):
+        for r in results:
+            ax_acc.plot(range(1, len(r["curve"]) + 1), r["curve"], label=r["variant"])
+        ax_acc.set(xlabel="round", ylabel="global test accuracy (mean over seeds)", ylim=(0, 1), title="accuracy")
+        ax_acc.grid(alpha=0.3)
+        ax_acc.legend()
+        names = [r["variant"] for r in results]
+        ax_bytes.bar(names, [r["uplink"] / 1e3 for r in results])
+        ax_bytes.set(ylabel="uplink kB per round (all sites)", yscale="log", title="uplink per round (log scale)")
+        ax_bytes.grid(alpha=0.3, axis="y")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import parse_overrides, pyproject_run_config  # noqa: E402
+from simulations.common import parse_overrides, pyproject_run_config, saved_figure  # noqa: E402
 
 from fedind.simulation import simulate  # noqa: E402
 
@@ -234,27 +234,19 @@ def _per_seed(per_run: dict[str, list[dict]]) -> str:
 
 
 def _plot(per_run: dict[str, list[dict]], base, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = [f"accuracy_phase_{q}" for q in range(base.phases)] + ["new_class_accuracy"]
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), sharey=True)
-    for ax, key in zip(axes, keys):
-        for name, runs in per_run.items():
-            curve = [statistics.fmean(v) for v in zip(*(r["curves"][key] for r in runs))]
-            ax.plot(runs[0]["rounds"], curve, label=name)
-        for end in range(1, base.phases):
-            ax.axvline(end * base.phase_rounds, color="grey", linestyle=":")
-        title = "new class (global test, last phase)" if key == "new_class_accuracy" else key.replace("accuracy_", "test set of ")
-        ax.set(xlabel="round", title=title, ylim=(0, 1))
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy (mean over seeds)")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with saved_figure(path, 1, len(keys), figsize=(5 * len(keys), 4), sharey=True) as (fig, axes):
+        for ax, key in zip(axes, keys):
+            for name, runs in per_run.items():
+                curve = [statistics.fmean(v) for v in zip(*(r["curves"][key] for r in runs))]
+                ax.plot(runs[0]["rounds"], curve, label=name)
+            for end in range(1, base.phases):
+                ax.axvline(end * base.phase_rounds, color="grey", linestyle=":")
+            title = "new class (global test, last phase)" if key == "new_class_accuracy" else key.replace("accuracy_", "test set of ")
+            ax.set(xlabel="round", title=title, ylim=(0, 1))
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("accuracy (mean over seeds)")
+        axes[0].legend()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import finished, parse_overrides  # noqa: E402
+from simulations.common import finished, parse_overrides, saved_figure  # noqa: E402
 
 from fedind.centralized import train_centralized_many  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
@@ -115,25 +115,17 @@ def summarize(rows: list[dict], alphas: list[float], variants: list[str], shares
 
 
 def plot(curves: dict, alphas: list[float], variants: list[str], targets: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(alphas), figsize=(6 * len(alphas), 4), squeeze=False)
-    for ax, alpha in zip(axes[0], alphas):
-        for name in variants:
-            runs = [c for (a, n, _), c in curves.items() if a == alpha and n == name]
-            mean = np.mean(np.array(runs), axis=0)
-            ax.plot(np.arange(1, mean.size + 1), mean, label=name)
-        ax.axhline(np.mean(targets[alpha]), color="grey", linestyle="--", label="target (share of centralized)")
-        ax.set(title=f"Dirichlet alpha = {alpha}", xlabel="round", ylabel="global test accuracy (mean over seeds)")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with saved_figure(path, 1, len(alphas), figsize=(6 * len(alphas), 4), squeeze=False) as (fig, axes):
+        for ax, alpha in zip(axes[0], alphas):
+            for name in variants:
+                runs = [c for (a, n, _), c in curves.items() if a == alpha and n == name]
+                mean = np.mean(np.array(runs), axis=0)
+                ax.plot(np.arange(1, mean.size + 1), mean, label=name)
+            ax.axhline(np.mean(targets[alpha]), color="grey", linestyle="--", label="target (share of centralized)")
+            ax.set(title=f"Dirichlet alpha = {alpha}", xlabel="round", ylabel="global test accuracy (mean over seeds)")
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
 
 
 def main(argv: list[str]) -> None:

@@ -43,7 +43,7 @@ from flwr.app import Context, Error, Message, MessageType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import finished, parse_overrides, pyproject_run_config  # noqa: E402
+from simulations.common import finished, parse_overrides, pyproject_run_config, saved_figure  # noqa: E402
 
 from fedind import wire  # noqa: E402
 from fedind.clientapp import site_app  # noqa: E402
@@ -225,27 +225,19 @@ def table(results: dict[str, dict[str, dict]], alphas, seeds, base: RunConfig, t
 
 
 def plot(per_run: dict[tuple[str, float], list[dict]], alphas, base: RunConfig, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(alphas), figsize=(7 * len(alphas), 4.5), squeeze=False)
-    for ax, alpha in zip(axes[0], alphas):
-        for (name, a), runs in per_run.items():
-            if a != alpha or not runs or not (name in BUILTINS or name == "recipe"):
-                continue
-            curve = [statistics.fmean(v) for v in zip(*(r["curve"] for r in runs))]
-            ax.plot(range(1, len(curve) + 1), curve, label=name, linewidth=2.5 if name == "recipe" else 1.2)
-        for end in base.phase_end_rounds():
-            ax.axvline(end, color="grey", linestyle=":")
-        ax.axvspan(ABSENT_ROUNDS.start, ABSENT_ROUNDS.stop - 1, color="orange", alpha=0.1, label="a line is off")
-        ax.set(xlabel="round", ylabel="global test accuracy (mean over seeds)", title=f"alpha {alpha:g}", ylim=(0, 1))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with saved_figure(path, 1, len(alphas), figsize=(7 * len(alphas), 4.5), squeeze=False) as (fig, axes):
+        for ax, alpha in zip(axes[0], alphas):
+            for (name, a), runs in per_run.items():
+                if a != alpha or not runs or not (name in BUILTINS or name == "recipe"):
+                    continue
+                curve = [statistics.fmean(v) for v in zip(*(r["curve"] for r in runs))]
+                ax.plot(range(1, len(curve) + 1), curve, label=name, linewidth=2.5 if name == "recipe" else 1.2)
+            for end in base.phase_end_rounds():
+                ax.axvline(end, color="grey", linestyle=":")
+            ax.axvspan(ABSENT_ROUNDS.start, ABSENT_ROUNDS.stop - 1, color="orange", alpha=0.1, label="a line is off")
+            ax.set(xlabel="round", ylabel="global test accuracy (mean over seeds)", title=f"alpha {alpha:g}", ylim=(0, 1))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
 
 
 def main(argv: list[str]) -> None:

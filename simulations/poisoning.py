@@ -69,7 +69,7 @@ from flwr.clientapp import ClientApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.common import parse_overrides  # noqa: E402
+from simulations.common import parse_overrides, saved_figure  # noqa: E402
 
 import fedind.serverapp  # noqa: E402
 from fedind import wire  # noqa: E402
@@ -423,37 +423,29 @@ def _table(
 
 
 def _plot(results: list[dict], strategies: list[str], attacks: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_bar, ax_curve) = plt.subplots(1, 2, figsize=(13, 4.5))
-    by_key = {(r["strategy"], r["attack"]): r for r in results}
-    shown = [a for a in attacks if any((s, a) in by_key for s in strategies)]
-    width = 0.8 / max(1, len(shown))
-    for j, attack in enumerate(shown):
-        xs = [i + (j - (len(shown) - 1) / 2) * width for i, s in enumerate(strategies) if (s, attack) in by_key]
-        ys = [by_key[(s, attack)]["final"] for s in strategies if (s, attack) in by_key]
-        ax_bar.bar(xs, ys, width, label=attack)
-    reference = by_key.get((DEFAULT_STRATEGY, CLEAN))
-    if reference is not None:
-        ax_bar.axhline(reference["final"] - 0.02, color="black", linestyle="--", linewidth=1,
-                       label=f"{DEFAULT_STRATEGY} clean − 2 points")
-    ax_bar.set_xticks(range(len(strategies)), strategies)
-    ax_bar.set(ylabel="final global test accuracy", ylim=(0, 1), title="final accuracy by strategy and attack")
-    ax_bar.grid(alpha=0.3, axis="y")
-    ax_bar.legend(fontsize=8)
-    for attack in shown:
-        r = by_key.get((DEFAULT_STRATEGY, attack))
-        if r is not None:
-            ax_curve.plot(range(1, len(r["curve"]) + 1), r["curve"], label=attack)
-    ax_curve.set(xlabel="round", ylabel="global test accuracy", ylim=(0, 1), title=f"{DEFAULT_STRATEGY} per round")
-    ax_curve.grid(alpha=0.3)
-    ax_curve.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with saved_figure(path, 1, 2, figsize=(13, 4.5)) as (fig, (ax_bar, ax_curve)):
+        by_key = {(r["strategy"], r["attack"]): r for r in results}
+        shown = [a for a in attacks if any((s, a) in by_key for s in strategies)]
+        width = 0.8 / max(1, len(shown))
+        for j, attack in enumerate(shown):
+            xs = [i + (j - (len(shown) - 1) / 2) * width for i, s in enumerate(strategies) if (s, attack) in by_key]
+            ys = [by_key[(s, attack)]["final"] for s in strategies if (s, attack) in by_key]
+            ax_bar.bar(xs, ys, width, label=attack)
+        reference = by_key.get((DEFAULT_STRATEGY, CLEAN))
+        if reference is not None:
+            ax_bar.axhline(reference["final"] - 0.02, color="black", linestyle="--", linewidth=1,
+                           label=f"{DEFAULT_STRATEGY} clean − 2 points")
+        ax_bar.set_xticks(range(len(strategies)), strategies)
+        ax_bar.set(ylabel="final global test accuracy", ylim=(0, 1), title="final accuracy by strategy and attack")
+        ax_bar.grid(alpha=0.3, axis="y")
+        ax_bar.legend(fontsize=8)
+        for attack in shown:
+            r = by_key.get((DEFAULT_STRATEGY, attack))
+            if r is not None:
+                ax_curve.plot(range(1, len(r["curve"]) + 1), r["curve"], label=attack)
+        ax_curve.set(xlabel="round", ylabel="global test accuracy", ylim=(0, 1), title=f"{DEFAULT_STRATEGY} per round")
+        ax_curve.grid(alpha=0.3)
+        ax_curve.legend(fontsize=8)
 
 
 if __name__ == "__main__":
