@@ -698,7 +698,8 @@ def parse_record(
         )
     if record["format"] != FORMAT or type(record["version"]) is not int or record["version"] != VERSION:
         raise CiphertextError(
-            f"format {record['format']!r} version {record['version']!r}: expected {FORMAT!r} version {VERSION}"
+            f"format {record['format']!r} version {record['version']!r}: expected {FORMAT!r} version {VERSION} "
+            f"({SLOT_BITS}-bit slots; the server and every site must run the same packing layout)"
         )
     if record["kind"] != kind:
         raise CiphertextError(f"kind {record['kind']!r}: expected {kind!r}")
