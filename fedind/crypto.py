@@ -10,48 +10,66 @@ never opens a private-key file (:func:`load_public_key` refuses one). The server
 ciphertexts; one key-holding site decrypts the weighted SUM and returns it, so the server
 learns the round's aggregate and nothing about a single site's update (README: threat model).
 
-Fixed point, clipping, packing (layout version 1)
+Fixed point, clipping, packing (layout version 2)
 -------------------------------------------------
 A site's update ``delta`` (float32, all arrays of the model flattened in sorted-name order)
-is clipped to ``[-c, c]`` (``c`` = ``paillier-clip``) and quantised to
+is clipped to ``[-c, c]`` (``c`` = ``paillier-clip``) and rounded stochastically to
 
-.. math::  \ell_j = \mathrm{round}\big(\mathrm{clip}(\delta_j, c) \cdot Q / c\big) + Q
-           \in [0, 2Q], \qquad Q = 2^{20} - 1,
+.. math::  \ell_j = \big\lfloor \mathrm{clip}(\delta_j, c) \cdot Q / c + u_j \big\rfloor + Q
+           \in [0, 2Q], \qquad u_j \sim U[0, 1), \qquad Q = 2^{13} - 1,
 
-an offset (non-negative) level. ``S = floor((bits(n) - 1) / 31)`` levels go into one
-plaintext, slot ``s`` at bits ``[31 s, 31 s + 31)``:
+an offset (non-negative) level whose mean is exact: :math:`E[\ell_j] - Q = \mathrm{clip}(\delta_j, c) Q / c`.
+``S = floor((bits(n) - 1) / 24)`` levels go into one plaintext, slot ``s`` at bits
+``[24 s, 24 s + 24)``:
 
-.. math::  m = \sum_{s<S} \ell_s \, 2^{31 s} < 2^{31 S} \le 2^{bits(n)-1} < n
+.. math::  m = \sum_{s<S} \ell_s \, 2^{24 s} < 2^{24 S} \le 2^{bits(n)-1} < n
 
-(66 slots for a 2048-bit key, 33 for 1024; the last plaintext is padded with zero levels).
+(85 slots for a 2048-bit key, 42 for 1024; the last plaintext is padded with zero levels).
 The server weights the sites with integers :math:`k_i \ge 0`, :math:`\sum_i k_i = W \le K`,
 :math:`K = 2^{10}` (:func:`integer_weights` rounds the strategy's weights to multiples of
-:math:`1/K`) and computes :math:`\prod_i c_i^{k_i} = \mathrm{Enc}(\sum_i k_i m_i)`. Each
-slot then holds :math:`T = \sum_i k_i \ell_i \le W \cdot 2Q \le 2^{10}(2^{21}-2) < 2^{31}`:
-the bit budget is 31 = 1 (sign, as the offset) + 20 (value) + 10 (weight headroom), so no
-slot can carry into the next whatever the number of sites, and a sum of more than
-:data:`MAX_SITES` = K sites (some would get weight 0) is refused. The decrypting site
-rejects a slot above :math:`W \cdot 2Q` or any bit above the last slot (a site that
-encrypted an out-of-range plaintext) and returns
+:math:`1/K`, whatever the number of sites, so the headroom is for the weight sum, not the site
+count) and computes :math:`\prod_i c_i^{k_i} = \mathrm{Enc}(\sum_i k_i m_i)`. Each slot then
+holds :math:`T = \sum_i k_i \ell_i \le W \cdot 2Q \le 2^{10}(2^{14}-2) < 2^{24}`: the bit budget
+is 24 = 1 (sign, as the offset) + 13 (value) + 10 (weight headroom), so no slot can carry into
+the next whatever the number of sites, and a sum of more than :data:`MAX_SITES` = K sites
+(some would get weight 0) is refused. The decrypting site rejects a slot above
+:math:`W \cdot 2Q` or any bit above the last slot (a site that encrypted an out-of-range
+plaintext) and returns
 
 .. math::  \hat d_j = \frac{T_j - W Q}{W Q}\, c
            = \sum_i \frac{k_i}{W}\, \frac{(\ell_{ij} - Q)\,c}{Q}.
 
-Quantisation bound: every site rounds to the nearest of steps :math:`c/Q`, so
-:math:`|\hat d_j - \sum_i \frac{k_i}{W} \mathrm{clip}(\delta_{ij}, c)| \le c / (2Q)`
-(:func:`quantisation_bound`; 4.8e-7 for ``c = 1``), plus float32 rounding of the result.
+Quantisation: every site's level is within one step :math:`c/Q` of its exact value and
+unbiased, so :math:`|\hat d_j - \sum_i \frac{k_i}{W} \mathrm{clip}(\delta_{ij}, c)| < c / Q`
+(:func:`quantisation_bound`; 1.2e-4 for ``c = 1``) with mean 0 and standard deviation at
+most :math:`c / (2Q)` per site, shrinking with the number of sites, plus float32 rounding.
 
-Ciphertexts and speed
----------------------
-``c = (1 + m n) \cdot r^n \bmod n^2`` (phe's ``g = n + 1``). The obfuscator :math:`r^n` is
-the expensive part; sites know ``p, q`` and draw it by CRT: the n-th residues mod
-:math:`p^2` are the subgroup of order :math:`p-1`, and :math:`x \mapsto x^p \bmod p^2`
-maps :math:`x` uniform in :math:`[1, p)` uniformly onto it (the map only depends on
-:math:`x \bmod p`). So ``y = CRT(x_p^p mod p^2, x_q^q mod q^2)`` is distributed as
-:math:`r^n \bmod n^2` for :math:`\gcd(q, p-1) = \gcd(p, q-1) = 1` (checked when a key is made)
-at two 1024-bit-exponent powers modulo 2048-bit numbers instead of a 2048-bit exponent
-modulo a 4096-bit one (2.6 ms vs 9.1 ms at 2048 bits, ``docs/paillier-bench.json``). :class:`ObfuscatorPool` draws them ahead (e.g.
-while the site trains) and in several processes. Decryption is phe's CRT decryption.
+Ciphertexts, keys and speed
+---------------------------
+``c = (1 + m n) \cdot y \bmod n^2`` with ``y`` an n-th residue (phe's ``g = n + 1``). Keys
+made here (:func:`generate_keypair`) have primes :math:`p = 2 a_p t_p + 1`,
+:math:`q = 2 a_q t_q + 1` with secret primes :math:`a_p, a_q` of :data:`ORDER_BITS` = 224 bits
+(Paillier 1999, scheme 3; Groth 2005, "Cryptography in subgroups of Z_n^*"). Modulo
+:math:`p^2` the n-th residues are the cyclic subgroup of order :math:`p - 1`; its subgroup
+:math:`H_p` of order :math:`a_p` is generated by :math:`h_p = x^{p (p-1)/a_p} \bmod p^2`. A
+site draws the obfuscator :math:`y = \mathrm{CRT}(h_p^{s_p} \bmod p^2, h_q^{s_q} \bmod q^2)`,
+:math:`s_p, s_q` uniform below :math:`a_p, a_q`: uniform in :math:`H = H_p \times H_q`
+(order :math:`a_p a_q`, about :math:`2^{448}`), at two 224-bit-exponent powers modulo
+2048-bit numbers. Decryption kills the obfuscator with the short exponent :math:`a_p`:
+:math:`c^{a_p} \equiv 1 + a_p m n \pmod{p^2}`, so
+:math:`m \equiv L_p(c^{a_p} \bmod p^2)\,(a_p q)^{-1} \pmod p` with :math:`L_p(x) = (x-1)/p`,
+the same mod q, and CRT (:meth:`PrivateKey.decrypt_many`); phe's CRT decryption raises to
+:math:`p - 1` (1024 bits). ``a_p, a_q`` and ``h`` never leave the sites (the private key file);
+the server sees ``n`` only. Security: semantic security rests on the hardness of telling an
+element of the hidden subgroup :math:`H` from a random n-th residue without the factors (a
+subgroup-membership assumption, stronger than Paillier's DCR alone; docs/encryption.md);
+the best known attack on the key structure finds the order of an element of :math:`H` by a
+Pollard-rho-style collision search mod the unknown p, about :math:`\sqrt{a_p} = 2^{112}`
+steps, matching the 112-bit strength of a 2048-bit modulus.
+A key without ``a_p, a_q`` (made by phe, or a key file from before) still works: its
+obfuscators are :math:`r^n` by CRT (:math:`x_p^p \bmod p^2`, 1024-bit exponents) and it
+decrypts with phe's exponent :math:`p - 1`. :class:`ObfuscatorPool` draws obfuscators
+ahead (e.g. while the site trains) and in several processes.
 
 Payload (ConfigRecord, no pickle)
 ---------------------------------
@@ -61,12 +79,12 @@ Payload (ConfigRecord, no pickle)
 key               type    meaning
 ================  ======  ============================================================
 ``format``        str     ``"fedind.paillier"``
-``version``       int     layout version, ``1``
+``version``       int     layout version, ``2`` (version 1: 31-bit slots, refused)
 ``kind``          str     ``"update"`` (site -> server) or ``"aggregate"`` (server -> site)
 ``key``           str     key fingerprint: SHA-256 of ``n`` (big-endian bytes), hex
 ``count``         int     number of values (the model's parameters)
-``slot-bits``     int     31
-``value-max``     int     Q = 2**20 - 1
+``slot-bits``     int     24
+``value-max``     int     Q = 2**13 - 1
 ``clip``          float   c
 ``weight``        int     1 for an update; W = sum of the integer weights for an aggregate
 ``sites``         int     1 for an update; number of sites in an aggregate
@@ -117,13 +135,14 @@ __all__ = [
 ]
 
 FORMAT = "fedind.paillier"
-VERSION = 1
-SLOT_BITS = 31
+VERSION = 2
+SLOT_BITS = 24
 WEIGHT_BITS = 10
 MAX_SITES = 2**WEIGHT_BITS  # K: the integer weights of a sum add up to at most this
-VALUE_BITS = SLOT_BITS - 1 - WEIGHT_BITS  # 20
+VALUE_BITS = SLOT_BITS - 1 - WEIGHT_BITS  # 13
 VALUE_MAX = 2**VALUE_BITS - 1  # Q
 MIN_KEY_BITS = 512
+ORDER_BITS = 224  # a_p, a_q: the obfuscator subgroup's prime orders (the decryption exponents)
 PUBLIC_FORMAT = "fedind.paillier-public-key"
 PRIVATE_FORMAT = "fedind.paillier-private-key"
 PASSPHRASE_ENV = "FEDIND_PAILLIER_PASSPHRASE"
@@ -169,7 +188,7 @@ class PublicKey:
 
     @property
     def slots(self) -> int:
-        """Values per plaintext: ``floor((bits(n) - 1) / 31)``."""
+        """Values per plaintext: ``floor((bits(n) - 1) / SLOT_BITS)``."""
         return (self.bits - 1) // SLOT_BITS
 
     @property
@@ -181,57 +200,131 @@ class PublicKey:
 
 
 class PrivateKey:
-    """The sites' key: ``p, q`` (and the public ``n = p q``); encrypts fast, decrypts by CRT."""
+    """The sites' key: ``p, q`` (and the public ``n = p q``), and for keys made by
+    :func:`generate_keypair` the obfuscator subgroup orders ``order_p | p - 1``,
+    ``order_q | q - 1`` (module docstring): short-exponent obfuscators and decryption."""
 
-    def __init__(self, p: int, q: int) -> None:
+    def __init__(self, p: int, q: int, order_p: int | None = None, order_q: int | None = None) -> None:
         p, q = int(p), int(q)
         if p == q or not gmpy2.is_prime(p) or not gmpy2.is_prime(q):
             raise KeyFileError("Invalid Paillier private key: p and q must be two distinct primes")
         if math.gcd(q, p - 1) != 1 or math.gcd(p, q - 1) != 1:
             raise KeyFileError("Invalid Paillier private key: gcd(q, p-1) and gcd(p, q-1) must be 1")
+        if (order_p is None) != (order_q is None):
+            raise KeyFileError("Invalid Paillier private key: give both subgroup orders or neither")
         self.public = PublicKey(p * q)
         self.p, self.q = p, q
         self._phe = paillier.PaillierPrivateKey(paillier.PaillierPublicKey(self.public.n), p, q)
         self._p2, self._q2 = gmpy2.mpz(p) ** 2, gmpy2.mpz(q) ** 2
         self._q2_inv = gmpy2.invert(self._q2, self._p2)  # CRT: mod q^2 and p^2 -> mod n^2
+        self._q_inv = gmpy2.invert(q, p)  # CRT: mod q and p -> mod n
+        self.order_p = self.order_q = None
+        if order_p is not None:
+            self.order_p, self.order_q = int(order_p), int(order_q)
+            for prime, order in ((p, self.order_p), (q, self.order_q)):
+                if not (gmpy2.is_prime(order) and (prime - 1) % order == 0 and order.bit_length() < prime.bit_length() - 1):
+                    raise KeyFileError("Invalid Paillier private key: a subgroup order must be a prime factor of p-1 (q-1)")
+            self._h_p = _subgroup_generator(p, self.order_p)
+            self._h_q = _subgroup_generator(q, self.order_q)
+            # m = L_p(c^a_p mod p^2) * (a_p q)^-1 mod p, the same mod q (module docstring)
+            self._dec_p = gmpy2.invert(self.order_p * q, p)
+            self._dec_q = gmpy2.invert(self.order_q * p, q)
 
     @property
     def phe(self) -> paillier.PaillierPrivateKey:
         """The same key as phe's object (for comparisons with per-value phe encryption)."""
         return self._phe
 
+    @property
+    def short_exponents(self) -> bool:
+        """True for a key with obfuscator subgroups (fast obfuscators and decryption)."""
+        return self.order_p is not None
+
     def obfuscators(self, count: int) -> list[int]:
-        """``count`` random n-th residues mod n^2, by CRT (module docstring)."""
-        xp = [gmpy2.mpz(1 + secrets.randbelow(self.p - 1)) for _ in range(count)]
-        xq = [gmpy2.mpz(1 + secrets.randbelow(self.q - 1)) for _ in range(count)]
-        yp = gmpy2.powmod_base_list(xp, self.p, self._p2)
-        yq = gmpy2.powmod_base_list(xq, self.q, self._q2)
+        """``count`` random obfuscators, n-th residues mod n^2, by CRT (module docstring):
+        uniform in the subgroup H for a key with subgroup orders, else uniform ``r^n``."""
+        if self.short_exponents:
+            sp = [gmpy2.mpz(secrets.randbelow(self.order_p)) for _ in range(count)]
+            sq = [gmpy2.mpz(secrets.randbelow(self.order_q)) for _ in range(count)]
+            yp = gmpy2.powmod_exp_list(self._h_p, sp, self._p2)
+            yq = gmpy2.powmod_exp_list(self._h_q, sq, self._q2)
+        else:
+            xp = [gmpy2.mpz(1 + secrets.randbelow(self.p - 1)) for _ in range(count)]
+            xq = [gmpy2.mpz(1 + secrets.randbelow(self.q - 1)) for _ in range(count)]
+            yp = gmpy2.powmod_base_list(xp, self.p, self._p2)
+            yq = gmpy2.powmod_base_list(xq, self.q, self._q2)
         return [int(b + self._q2 * (((a - b) * self._q2_inv) % self._p2)) for a, b in zip(yp, yq)]
 
     def raw_decrypt(self, ciphertext: int) -> int:
-        return int(self._phe.raw_decrypt(ciphertext))
+        return self.decrypt_many([ciphertext])[0]
+
+    def decrypt_many(self, ciphertexts: Sequence[int]) -> list[int]:
+        """Plaintexts mod n of ``ciphertexts``: short-exponent CRT decryption (module
+        docstring) for a key with subgroup orders, else phe's CRT decryption."""
+        if not self.short_exponents:
+            return [int(self._phe.raw_decrypt(c)) for c in ciphertexts]
+        p, q = gmpy2.mpz(self.p), gmpy2.mpz(self.q)
+        up = gmpy2.powmod_base_list([gmpy2.mpz(c) % self._p2 for c in ciphertexts], self.order_p, self._p2)
+        uq = gmpy2.powmod_base_list([gmpy2.mpz(c) % self._q2 for c in ciphertexts], self.order_q, self._q2)
+        out = []
+        for a, b in zip(up, uq):
+            mp = (a - 1) // p * self._dec_p % p
+            mq = (b - 1) // q * self._dec_q % q
+            out.append(int(mq + q * ((mp - mq) * self._q_inv % p)))
+        return out
+
+
+def _subgroup_generator(prime: int, order: int) -> gmpy2.mpz:
+    """A generator of the subgroup of order ``order`` (a prime factor of ``prime - 1``) of the
+    n-th residues mod ``prime^2``: ``x^(prime (prime-1) / order)``, redrawn while it is 1."""
+    square = gmpy2.mpz(prime) ** 2
+    while True:
+        h = gmpy2.powmod(2 + secrets.randbelow(prime - 3), prime * ((prime - 1) // order), square)
+        if h != 1:
+            return h
+
+
+def _structured_prime(bits: int, order: int) -> int:
+    """A prime ``2 order t + 1`` of exactly ``bits`` bits, its top two bits set (so that the
+    product of two has exactly ``2 bits`` bits)."""
+    low = -(-(3 << (bits - 2)) // (2 * order))
+    high = ((1 << bits) - 1) // (2 * order)
+    while True:
+        candidate = 2 * order * (low + secrets.randbelow(high - low)) + 1
+        if gmpy2.is_prime(candidate, 30):
+            return int(candidate)
 
 
 def generate_keypair(bits: int = 2048) -> PrivateKey:
-    """A fresh key pair (phe's generator; redrawn in the rare case the CRT condition fails)."""
+    """A fresh key pair whose primes carry the obfuscator subgroups (module docstring):
+    ``p = 2 a_p t_p + 1``, ``q = 2 a_q t_q + 1``, ``a_p, a_q`` primes of
+    ``min(ORDER_BITS, bits / 4)`` bits (redrawn in the rare case a CRT condition fails)."""
     if not isinstance(bits, int) or bits < MIN_KEY_BITS or bits % 64:
         raise ValueError(f"Invalid key size: {bits!r} (a multiple of 64, at least {MIN_KEY_BITS})")
+    order_bits = min(ORDER_BITS, bits // 4)
     while True:
-        _, private = paillier.generate_paillier_keypair(n_length=bits)
+        orders = [int(gmpy2.next_prime(secrets.randbits(order_bits) | (1 << (order_bits - 1)))) for _ in range(2)]
+        if orders[0] == orders[1] or max(orders).bit_length() > order_bits:
+            continue
+        p, q = (_structured_prime(bits // 2, a) for a in orders)
         try:
-            return PrivateKey(private.p, private.q)
+            return PrivateKey(p, q, *orders)
         except KeyFileError:
             continue
 
 
 def save_keypair(key: PrivateKey, private_path: Path, public_path: Path, passphrase: str | None = None) -> None:
     """Write the private key (mode 0600, created exclusively) and the public key (0644).
+    The private file holds ``p, q`` and, for a key with obfuscator subgroups, their orders.
 
     With ``passphrase`` the private numbers are sealed with AES-256-GCM under a scrypt key
     (``cryptography``); sites then need the passphrase in ``FEDIND_PAILLIER_PASSPHRASE``.
     """
     private_path, public_path = Path(private_path), Path(public_path)
-    secret = json.dumps({"p": _hex(key.p), "q": _hex(key.q)}).encode()
+    numbers = {"p": _hex(key.p), "q": _hex(key.q)}
+    if key.short_exponents:
+        numbers.update({"order-p": _hex(key.order_p), "order-q": _hex(key.order_q)})
+    secret = json.dumps(numbers).encode()
     body: dict = {"format": PRIVATE_FORMAT, "version": 1, "fingerprint": key.public.fingerprint, "n": _hex(key.public.n)}
     if passphrase:
         body.update(_seal(secret, passphrase))
@@ -281,7 +374,8 @@ def load_private_key(path: str | Path, passphrase: str | None = None) -> Private
         if not passphrase:
             raise KeyFileError(f"{path}: the key is sealed with a passphrase; set {PASSPHRASE_ENV}")
         body = {**body, **json.loads(_unseal(body, passphrase, path))}
-    key = PrivateKey(_int(body, "p", path), _int(body, "q", path))
+    orders = [_int(body, name, path) if name in body else None for name in ("order-p", "order-q")]
+    key = PrivateKey(_int(body, "p", path), _int(body, "q", path), *orders)
     if key.public.n != _int(body, "n", path) or body.get("fingerprint") != key.public.fingerprint:
         raise KeyFileError(f"{path}: p*q does not match n or its fingerprint (file corrupted or edited)")
     return key
@@ -342,16 +436,19 @@ def _scrypt(passphrase: str, salt: bytes) -> bytes:
 # --------------------------------------------------------------------------- fixed point
 
 
-def quantise(values: np.ndarray, clip: float) -> tuple[np.ndarray, int]:
-    """``(levels int64 in [0, 2Q], number of clipped values)`` of finite float ``values``."""
+def quantise(values: np.ndarray, clip: float, rng: np.random.Generator | None = None) -> tuple[np.ndarray, int]:
+    """``(levels int64 in [0, 2Q], number of clipped values)`` of finite float ``values``,
+    rounded stochastically (unbiased: module docstring); ``rng`` defaults to fresh OS entropy."""
     if not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"Invalid clip value: {clip!r}")
     x = np.asarray(values, dtype=np.float64).ravel()
     if not np.all(np.isfinite(x)):
         raise ValueError(f"cannot encrypt {int(np.size(x) - np.isfinite(x).sum())} NaN/Inf values")
     clipped = int(np.count_nonzero(np.abs(x) > clip))
-    levels = np.rint(np.clip(x, -clip, clip) * (VALUE_MAX / clip)).astype(np.int64) + VALUE_MAX
-    return levels, clipped
+    scaled = np.clip(x, -clip, clip) * (VALUE_MAX / clip)  # in [-Q, Q]
+    rng = rng if rng is not None else np.random.default_rng()
+    levels = np.floor(scaled + rng.random(scaled.size)).astype(np.int64)
+    return np.clip(levels, -VALUE_MAX, VALUE_MAX) + VALUE_MAX, clipped
 
 
 def dequantise(sums: np.ndarray, weight: int, clip: float) -> np.ndarray:
@@ -360,15 +457,16 @@ def dequantise(sums: np.ndarray, weight: int, clip: float) -> np.ndarray:
 
 
 def quantisation_bound(clip: float) -> float:
-    """Largest |decrypted aggregate - weighted mean of the clipped float updates| (per value)."""
-    return clip / (2 * VALUE_MAX)
+    """Largest |decrypted aggregate - weighted mean of the clipped float updates| (per value):
+    one quantisation step (stochastic rounding; its mean error is 0)."""
+    return clip / VALUE_MAX
 
 
 def pack(levels: np.ndarray, slots: int) -> list[int]:
-    """Plaintexts ``m = sum_s l_s 2^(31 s)``, ``slots`` levels each (the last padded with 0)."""
+    """Plaintexts ``m = sum_s l_s 2^(SLOT_BITS s)``, ``slots`` levels each (the last padded with 0)."""
     levels = np.asarray(levels, dtype=np.int64)
     if levels.size and (levels.min() < 0 or levels.max() >= 2**SLOT_BITS):
-        raise ValueError("levels must lie in [0, 2^31)")
+        raise ValueError(f"levels must lie in [0, 2^{SLOT_BITS})")
     rows = -(-levels.size // slots)
     padded = np.zeros(rows * slots, dtype=np.uint64)
     padded[: levels.size] = levels
@@ -401,7 +499,7 @@ def unpack(plaintexts: Sequence[int], slots: int, count: int) -> np.ndarray:
 
 
 class ObfuscatorPool:
-    """Obfuscators ``r^n mod n^2`` drawn ahead of use (they do not depend on the plaintext).
+    """Obfuscators (n-th residues mod n^2) drawn ahead of use (they do not depend on the plaintext).
 
     ``fill(count)`` draws now (``workers`` > 1: in that many processes); ``fill_async``
     draws in a background thread (e.g. while the site trains) and ``take`` waits for it.
@@ -459,18 +557,18 @@ def _draw(key: PrivateKey, count: int, workers: int) -> list[int]:
         return key.obfuscators(count)
     sizes = [count // workers + (i < count % workers) for i in range(workers)]
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        parts = pool.map(_obfuscators_in_worker, [(key.p, key.q, s) for s in sizes])
+        parts = pool.map(_obfuscators_in_worker, [(key.p, key.q, key.order_p, key.order_q, s) for s in sizes])
         return [y for part in parts for y in part]
 
 
-def _obfuscators_in_worker(args: tuple[int, int, int]) -> list[int]:
-    p, q, count = args
-    return PrivateKey(p, q).obfuscators(count)
+def _obfuscators_in_worker(args: tuple) -> list[int]:
+    p, q, order_p, order_q, count = args
+    return PrivateKey(p, q, order_p, order_q).obfuscators(count)
 
 
 @dataclass(frozen=True)
 class EncryptedVector:
-    """Packed ciphertexts of ``count`` values under the key ``fingerprint`` (layout v1)."""
+    """Packed ciphertexts of ``count`` values under the key ``fingerprint`` (layout v2)."""
 
     kind: str
     fingerprint: str
@@ -501,7 +599,7 @@ class EncryptedVector:
 def encrypt_levels(
     levels: np.ndarray, key: PrivateKey, clip: float, pool: ObfuscatorPool | None = None
 ) -> EncryptedVector:
-    """Pack ``levels`` (from :func:`quantise`) and encrypt: ``(1 + m n) r^n mod n^2``."""
+    """Pack ``levels`` (from :func:`quantise`) and encrypt: ``(1 + m n) y mod n^2``."""
     pub = key.public
     plaintexts = pack(levels, pub.slots)
     obfuscators = (pool or ObfuscatorPool(key)).take(len(plaintexts))
@@ -566,7 +664,7 @@ def decrypt_sum(aggregate: EncryptedVector, key: PrivateKey) -> np.ndarray:
         raise CiphertextError(
             f"key fingerprint {aggregate.fingerprint[:16]}… is not this site's key {key.public.fingerprint[:16]}…"
         )
-    plaintexts = [key.raw_decrypt(c) for c in aggregate.ciphertexts]
+    plaintexts = key.decrypt_many(aggregate.ciphertexts)
     sums = unpack(plaintexts, key.public.slots, aggregate.count)
     limit = aggregate.weight * 2 * VALUE_MAX
     if sums.size and sums.max() > limit:
@@ -600,7 +698,8 @@ def parse_record(
         )
     if record["format"] != FORMAT or type(record["version"]) is not int or record["version"] != VERSION:
         raise CiphertextError(
-            f"format {record['format']!r} version {record['version']!r}: expected {FORMAT!r} version {VERSION}"
+            f"format {record['format']!r} version {record['version']!r}: expected {FORMAT!r} version {VERSION} "
+            f"({SLOT_BITS}-bit slots; the server and every site must run the same packing layout)"
         )
     if record["kind"] != kind:
         raise CiphertextError(f"kind {record['kind']!r}: expected {kind!r}")

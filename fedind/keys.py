@@ -4,7 +4,7 @@
 
     fedind keys paillier --out DIR [--bits 2048] [--passphrase-env VAR]
 
-writes ``DIR/paillier.key`` (private: p, q; mode 0600; for every SITE) and
+writes ``DIR/paillier.key`` (private: p, q and the obfuscator subgroup orders; mode 0600; for every SITE) and
 ``DIR/paillier.pub`` (public: n; for the SERVER) and prints the key fingerprint that every
 encrypted payload carries. Neither file is overwritten: rotating keys means a new folder
 (README: "Encrypted aggregation", provisioning and rotation).

@@ -96,23 +96,26 @@ def test_extremes_of_every_slot_survive_the_largest_weight_sum(key):
 
 
 def test_quantisation_bound_formula():
-    assert quantisation_bound(1.0) == 1.0 / (2 * (2**20 - 1))
-    assert SLOT_BITS == 1 + 20 + 10 and MAX_SITES * 2 * VALUE_MAX < 2**SLOT_BITS
+    assert quantisation_bound(1.0) == 1.0 / (2**13 - 1)
+    assert SLOT_BITS == 1 + 13 + 10 and MAX_SITES * 2 * VALUE_MAX < 2**SLOT_BITS
 
 
 def test_pack_unpack_roundtrip_and_refusals():
     rng = np.random.default_rng(0)
-    levels = rng.integers(0, 2**31, size=70)
-    assert np.array_equal(unpack(pack(levels, 33), 33, 70), levels)
-    with pytest.raises(ValueError, match=r"\[0, 2\^31\)"):
-        pack(np.array([-1]), 33)
+    levels = rng.integers(0, 2**SLOT_BITS, size=90)
+    assert np.array_equal(unpack(pack(levels, 42), 42, 90), levels)
+    with pytest.raises(ValueError, match=r"\[0, 2\^24\)"):
+        pack(np.array([-1]), 42)
+    with pytest.raises(ValueError, match=r"\[0, 2\^24\)"):
+        pack(np.array([2**SLOT_BITS]), 42)
     with pytest.raises(CiphertextError, match="bits above"):
-        unpack([1 << (33 * 31)], 33, 1)
+        unpack([1 << (42 * SLOT_BITS)], 42, 1)
 
 
 def test_quantise_refuses_nan_and_counts_clipped():
     levels, clipped = quantise(np.array([0.0, 2.0, -3.0, 0.5]), 1.0)
-    assert clipped == 2 and list(levels) == [VALUE_MAX, 2 * VALUE_MAX, 0, VALUE_MAX + round(VALUE_MAX / 2)]
+    assert clipped == 2 and list(levels[:3]) == [VALUE_MAX, 2 * VALUE_MAX, 0]
+    assert levels[3] - VALUE_MAX in (VALUE_MAX // 2, VALUE_MAX // 2 + 1)  # 0.5 Q = 4095.5: either neighbour
     with pytest.raises(ValueError, match="NaN/Inf"):
         quantise(np.array([0.0, np.nan]), 1.0)
     with pytest.raises(ValueError, match="clip"):
@@ -136,6 +139,106 @@ def test_integer_weights_beyond_the_headroom_are_refused(key):
         weighted_sum([v, v], [-1, 3], key.public)
 
 
+def test_packing_bounds_hold_for_any_number_of_sites_at_the_extremes():
+    """Property: whatever the number of sites (2..K) and their weights (integer_weights of
+    random, skewed or equal weights, sum K), levels at the extremes 0 / 2Q or random, the
+    weighted sum of the packed plaintexts (what decryption yields) stays below n, every slot
+    below 2^SLOT_BITS, and unpacks to exactly the per-slot weighted sums."""
+    rng = np.random.default_rng(7)
+    slots = PublicKey((1 << 2047) + 1).slots  # 2048-bit modulus: 85 slots, sum < 2^2040
+    for draw in range(60):
+        sites = int(rng.choice([2, 3, 5, 64, MAX_SITES, int(rng.integers(2, MAX_SITES + 1))]))
+        raw = [np.ones(sites), rng.random(sites), rng.random(sites) ** 8, np.eye(1, sites, 0).ravel() + 1e-9][draw % 4]
+        k = integer_weights(raw)
+        assert sum(k) == MAX_SITES and len(k) == sites
+        pattern = draw % 3
+        levels = [
+            np.full(slots + 3, 2 * VALUE_MAX) if pattern == 0 else
+            rng.choice([0, 2 * VALUE_MAX], size=slots + 3) if pattern == 1 else
+            rng.integers(0, 2 * VALUE_MAX + 1, size=slots + 3)
+            for _ in range(sites)
+        ]
+        plaintexts = [pack(lv, slots) for lv in levels]
+        total = [sum(ki * m[j] for ki, m in zip(k, plaintexts)) for j in range(len(plaintexts[0]))]
+        assert all(t < 2 ** (slots * SLOT_BITS) <= 2**2047 for t in total)
+        sums = unpack(total, slots, slots + 3)
+        expected = sum(ki * lv.astype(np.int64) for ki, lv in zip(k, levels))
+        assert np.array_equal(sums, expected) and sums.max() <= MAX_SITES * 2 * VALUE_MAX < 2**SLOT_BITS
+
+
+def test_the_maximum_number_of_sites_at_the_clip_decodes_exactly(key):
+    """K encrypted sites, all at +clip (or all at -clip, or alternating), weight 1 each (the
+    integer weights of K equal sites): the slot sums hit W * 2Q and 0 and decode exactly."""
+    count = key.public.slots + 2
+    for values, expected in ((1.0, 1.0), (-1.0, -1.0)):
+        vectors = [encrypt(np.full(count, values * 3.0), key)] * MAX_SITES  # clipped to +-1
+        k = integer_weights(np.ones(MAX_SITES))
+        assert k == [1] * MAX_SITES
+        assert np.all(decrypt_sum(weighted_sum(vectors, k, key.public), key) == expected)
+    plus, minus = encrypt(np.ones(count), key), encrypt(-np.ones(count), key)
+    mean = decrypt_sum(weighted_sum([plus, minus] * (MAX_SITES // 2), [1] * MAX_SITES, key.public), key)
+    assert np.all(mean == 0.0)
+
+
+def test_stochastic_rounding_is_unbiased_and_stays_on_the_neighbouring_levels():
+    rng = np.random.default_rng(3)
+    clip, draws = 1.0, 40_000
+    step = clip / VALUE_MAX
+    for exact in (0.1 * step, 0.37 * step, 1234.5 * step, -0.9 * step, -(VALUE_MAX - 0.25) * step):
+        levels, _ = quantise(np.full(draws, exact), clip, rng)
+        values = (levels - VALUE_MAX) * step
+        low = np.floor(exact / step) * step
+        assert set(np.round((values - low) / step).astype(int)) <= {0, 1}  # floor or ceil only
+        frac = exact / step - np.floor(exact / step)
+        sigma = step * math.sqrt(frac * (1 - frac) / draws)
+        assert abs(values.mean() - exact) <= 5 * sigma + 1e-15
+    # deterministic rounding would be biased by up to half a step on such values; this is not
+    levels, _ = quantise(np.full(draws, 0.25 * step), clip, rng)
+    assert abs(((levels - VALUE_MAX) * step).mean() - 0.25 * step) < 0.05 * step
+
+
+def textbook_decrypt(key, c: int) -> int:
+    """Paillier's decryption without CRT: L(c^lambda mod n^2) * lambda^-1 mod n (g = n + 1)."""
+    n, n2 = key.public.n, key.public.n_square
+    lam = (key.p - 1) * (key.q - 1)
+    return (pow(c, lam, n2) - 1) // n * pow(lam, -1, n) % n
+
+
+def test_crt_short_exponent_decryption_equals_the_plain_one(key):
+    assert key.short_exponents and key.order_p.bit_length() == crypto.ORDER_BITS
+    assert (key.p - 1) % key.order_p == 0 and (key.q - 1) % key.order_q == 0
+    n = key.public.n
+    plaintexts = [0, 1, n - 1, 2 ** (key.public.slots * SLOT_BITS) - 1] + [secrets_below(n) for _ in range(20)]
+    ciphertexts = [raw_ciphertext(key, m) for m in plaintexts]
+    assert key.decrypt_many(ciphertexts) == plaintexts == [textbook_decrypt(key, c) for c in ciphertexts]
+    assert [int(key.phe.raw_decrypt(c)) for c in ciphertexts] == plaintexts  # phe's CRT decryption
+    # and on a real weighted sum
+    v = encrypt(np.linspace(-1, 1, 100), key)
+    agg = weighted_sum([v, v, v], [3, 500, 521], key.public)
+    assert key.decrypt_many(agg.ciphertexts) == [textbook_decrypt(key, c) for c in agg.ciphertexts]
+
+
+def test_a_key_without_subgroups_still_encrypts_and_decrypts(key):
+    from phe import paillier
+
+    _, phe_private = paillier.generate_paillier_keypair(n_length=512)
+    try:
+        plain_key = crypto.PrivateKey(phe_private.p, phe_private.q)
+    except KeyFileError:
+        pytest.skip("phe drew primes without the CRT condition")
+    assert not plain_key.short_exponents
+    v = encrypt(np.linspace(-1, 1, 50), plain_key)
+    agg = weighted_sum([v, v], [1, 1], plain_key.public)
+    assert plain_key.decrypt_many(agg.ciphertexts) == [textbook_decrypt(plain_key, c) for c in agg.ciphertexts]
+    assert np.abs(decrypt_sum(agg, plain_key) - np.linspace(-1, 1, 50)).max() <= quantisation_bound(1.0)
+
+
+def secrets_below(n: int) -> int:
+    import secrets
+
+    return secrets.randbelow(n)
+
+
 def test_a_site_that_encrypts_an_out_of_range_slot_makes_decryption_refuse(key):
     honest = encrypt(np.zeros(3), key)
     # slot 1 far above 2Q (the largest level a site can quantise to), short of a carry:
@@ -150,7 +253,7 @@ def test_a_site_that_encrypts_an_out_of_range_slot_makes_decryption_refuse(key):
 def test_a_plaintext_above_the_last_slot_makes_decryption_refuse(key):
     cheat = [raw_ciphertext(key, 1 << (key.public.slots * SLOT_BITS))]
     forged = crypto.EncryptedVector("aggregate", key.public.fingerprint, 3, 1.0, 2, 2, cheat)
-    with pytest.raises(CiphertextError, match="bits above its 33 slots: overflow"):
+    with pytest.raises(CiphertextError, match="bits above its 42 slots: overflow"):
         decrypt_sum(forged, key)
 
 
@@ -161,14 +264,14 @@ def test_payload_roundtrip_and_size(key):
     count = 100
     record = encrypt(np.linspace(-1, 1, count), key).to_config(key.public)
     parsed = parse_record(record, key.public, kind="update", count=count, clip=1.0)
-    assert parsed.count == count and len(parsed.ciphertexts) == math.ceil(count / 33)
-    assert len(record["ciphertexts"]) == 4 * 256
+    assert parsed.count == count and len(parsed.ciphertexts) == math.ceil(count / 42) == 3
+    assert len(record["ciphertexts"]) == 3 * 256
 
 
-@pytest.mark.parametrize("bits", [1024, 2048, 3072])
-def test_ciphertext_bytes_are_at_most_twice_the_float32_bytes(bits):
+@pytest.mark.parametrize("bits, slots", [(1024, 42), (2048, 85), (3072, 127)])
+def test_ciphertext_bytes_are_at_most_1_6_times_the_float32_bytes(bits, slots):
     pub = PublicKey((1 << (bits - 1)) + 1)
-    assert pub.ciphertext_bytes / (4 * pub.slots) <= 2.0
+    assert pub.slots == slots and pub.ciphertext_bytes / (4 * pub.slots) <= 1.6
     assert pub.slots * SLOT_BITS <= bits - 1  # every packed plaintext is below n
 
 
@@ -189,7 +292,8 @@ def _tamper(record: dict, **changes) -> dict:
         (lambda r, k: _tamper(r, key="0" * 64), "key fingerprint 0000000000000000… does not match"),
         (lambda r, k: _tamper(r, count=99), "count 99: expected 40"),
         (lambda r, k: _tamper(r, clip=2.0), "clip 2.0: expected 1.0"),
-        (lambda r, k: _tamper(r, version=2), "version 2"),
+        (lambda r, k: _tamper(r, version=1), "version 1: expected 'fedind.paillier' version 2"),
+        (lambda r, k: _tamper(r, version=True), "version True"),
         (lambda r, k: _tamper(r, kind="aggregate"), "kind 'aggregate'"),
         (lambda r, k: _tamper(r, weight=5), "weight 1 and sites 1"),
         (lambda r, k: _tamper(r, **{"slot-bits": 32}), "layout slot-bits 32"),
@@ -202,6 +306,21 @@ def test_tampered_payloads_are_rejected_naming_the_fault(key, change, message):
     record = encrypt(np.zeros(40), key).to_config(key.public)
     with pytest.raises(CiphertextError, match=message):
         parse_record(change(record, key), key.public, kind="update", count=40, clip=1.0)
+
+
+def test_a_payload_of_the_old_layout_or_the_wrong_size_is_refused(key):
+    """A version-1 payload (31-bit slots, Q = 2^20 - 1: ceil(count / 33) ciphertexts for this
+    key) is refused by version; a version-2 header over that many ciphertexts by size."""
+    count = 200
+    record = encrypt(np.zeros(count), key).to_config(key.public)
+    width = key.public.ciphertext_bytes
+    old_size = math.ceil(count / ((key.public.bits - 1) // 31)) * width
+    old = _tamper(record, version=1, ciphertexts=b"\1" * old_size, **{"slot-bits": 31, "value-max": 2**20 - 1})
+    with pytest.raises(CiphertextError, match="version 1: expected 'fedind.paillier' version 2 .24-bit slots"):
+        parse_record(old, key.public, kind="update", count=count, clip=1.0)
+    resized = _tamper(record, ciphertexts=record["ciphertexts"] + record["ciphertexts"][: old_size - len(record["ciphertexts"])])
+    with pytest.raises(CiphertextError, match=f"hold {old_size} bytes, expected 5 x 256 = 1280 for 200 values"):
+        parse_record(resized, key.public, kind="update", count=count, clip=1.0)
 
 
 def test_a_payload_under_another_key_is_rejected(key, other_key):
@@ -222,6 +341,22 @@ def test_aggregate_record_checks_weight_and_sites(key):
 
 
 # --------------------------------------------------------------------------- obfuscators
+
+
+def test_short_exponent_obfuscators_lie_in_the_secret_subgroup(key):
+    order, n2 = key.order_p * key.order_q, key.public.n_square
+    for y in key.obfuscators(4):
+        assert gmpy2.powmod(y, order, n2) == 1 and y != 1
+
+
+def test_key_files_keep_the_subgroup_orders(tmp_path, key):
+    save_keypair(key, tmp_path / "k", tmp_path / "k.pub", passphrase="pw")
+    loaded = load_private_key(tmp_path / "k", passphrase="pw")
+    assert (loaded.order_p, loaded.order_q) == (key.order_p, key.order_q)
+    body = json.loads((tmp_path / "k.pub").read_text())
+    assert set(body) == {"format", "version", "fingerprint", "n"}  # the orders never reach the server
+    with pytest.raises(KeyFileError, match="prime factor of p-1"):
+        crypto.PrivateKey(key.p, key.q, key.order_p + 2, key.order_q)
 
 
 def test_crt_obfuscators_are_nth_residues(key):
