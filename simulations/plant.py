@@ -189,6 +189,7 @@ def summarise(runs: list[dict]) -> dict:
             "std": statistics.stdev(finite) if len(finite) > 1 else 0.0,
             "missing": len(values) - len(finite),  # e.g. target never reached
         }
+    out["seeds"] = [r["seed"] for r in runs]
     return out
 
 
@@ -220,7 +221,8 @@ def table(results: dict[str, dict[str, dict]], alphas, seeds, base: RunConfig, t
         for name, by_alpha in results.items():
             if f"{alpha:g}" in by_alpha:
                 stats = by_alpha[f"{alpha:g}"]
-                lines.append(f"| {name} | " + " | ".join(_cell(stats[k], kind) for k, _, kind, _ in METRICS) + " |")
+                label = name if stats["seeds"] == list(seeds) else f"{name} (seeds {', '.join(map(str, stats['seeds']))})"
+                lines.append(f"| {label} | " + " | ".join(_cell(stats[k], kind) for k, _, kind, _ in METRICS) + " |")
     return "\n".join(lines)
 
 
@@ -249,6 +251,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--family", choices=("bearing", "gearbox"), default="bearing",
                         help="data family: fedind's bearing generator, or the gearbox one (fedind.data.gearbox)")
     parser.add_argument("--runtime", default="ray", help="fedind.simulation runtime (ray, or loopback where available)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="report the finished runs among those asked for; start none (rows name their seeds)")
     args, overrides = parser.parse_known_args(argv)
     base = parse_overrides(overrides, {**pyproject_run_config(), **SCENARIO})
     out = Path(args.out)
@@ -259,6 +263,8 @@ def main(argv: list[str]) -> None:
     configs = {(n, a, s): variant_config(base, n, a, s, out) for s in args.seeds for a in args.alphas for n in args.variants}
     if args.family == "gearbox":
         configs = {key: replace(c, data_root=gearbox_root(out, base, key[1], key[2])) for key, c in configs.items()}
+    if args.report_only:
+        configs = {key: c for key, c in configs.items() if finished(c)}
     pending = [c for c in configs.values() if not finished(c)]
     if pending:
         kwargs = {"runtime": args.runtime} if args.runtime != "ray" else {}
