@@ -36,7 +36,9 @@ from .downlink import downlink_mod
 from .ewc import diagonal_fisher, focus
 from .models import FaultCNN
 from .publish import SERVE_DIR_KEY
-from .training import cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts
+from .training import (
+    TrainResult, cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts,
+)
 from .site_state import run_scope_mod, state_mod
 from .secure import decrypt_query, paillier_mod
 from .transport import RESIDUALS, topk_mod
@@ -126,14 +128,17 @@ def train(msg: Message, context: Context) -> Message:
     replay = buffer.arrays() if buffer is not None else None
     replay_ratio = config.replay_ratio if replay is not None else 0.0
     adjustment = None
-    if config.logit_adjustment:  # the prior of what the loss sees: new windows and replayed ones
+    if train_data.num_examples and config.logit_adjustment:  # the prior of what the loss sees: new windows and replayed ones
         replayed = buffer.class_counts() if buffer is not None else None
         trained = trained_label_counts(histogram, replayed, replay_ratio)
         adjustment = prior_logit_adjustment(trained, config.logit_adjustment)
     if config.compression == "topk":  # the error-feedback residuals follow a grown head
         pad_residuals(context, RESIDUALS, num_classes)
     started = time.process_time()
-    result = train_local(
+    # A line whose windows are all of classes the head lacks trains nothing this round, but
+    # still replies (0 examples, the model as received): its classes-seen and proposed rows
+    # are how the server learns of the new class.
+    result = TrainResult(loss=0.0, steps=0) if not train_data.num_examples else train_local(
         model,
         train_data,
         epochs=config.local_epochs,

@@ -317,8 +317,8 @@ def check_update(
     n = metrics.get(wire.NUM_EXAMPLES)
     if n is None:
         raise InvalidUpdate(f"no {wire.NUM_EXAMPLES!r} metric")
-    if not (_is_real(n) and n > 0 and float(n).is_integer()):
-        raise InvalidUpdate(f"{wire.NUM_EXAMPLES} = {n!r}: expected a positive whole number")
+    if not (_is_real(n) and n >= 0 and float(n).is_integer()):
+        raise InvalidUpdate(f"{wire.NUM_EXAMPLES} = {n!r}: expected a whole number >= 0")
     histogram = metrics.get(wire.LABEL_HISTOGRAM)
     if histogram is not None:
         check_histogram(histogram, num_classes, n)
@@ -394,6 +394,7 @@ class UpdateScreen:
         valid: list[tuple[int, float, float]] = []  # (position in out, update norm, num-examples)
         decoded: dict[int, dict[str, np.ndarray]] = {}  # the sites share one global ArrayRecord
         deltas: dict[int, tuple] = {}  # position in out -> (sent, delta), for scaling an update down
+        zero_examples: list[int] = []  # positions of replies that trained on no windows
         for i, reply in enumerate(out):
             instruction = instructions.get(reply.metadata.src_node_id)
             if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
@@ -410,8 +411,11 @@ class UpdateScreen:
                 out[i] = _rejected(instruction, str(err), reply)
                 continue
             claimed = next(iter(reply.content.metric_records.values()))[wire.NUM_EXAMPLES]  # checked above
-            valid.append((i, _norm(delta), float(claimed)))
             deltas[i] = (sent, delta)
+            if claimed == 0:  # trained on nothing (its classes are all new to the head): no update,
+                zero_examples.append(i)  # whatever it sent (a robust mean does not weigh by examples)
+                continue
+            valid.append((i, _norm(delta), float(claimed)))
         rules = [("update norm", 1, self.norm_rule), (wire.NUM_EXAMPLES, 2, self.count_rule)]
         reasons: dict[int, str] = {}  # position in out -> the first rule that rejects it
         factors: dict[int, float] = {}  # position in out -> the factor its update is scaled by
@@ -444,6 +448,7 @@ class UpdateScreen:
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
                 factors[i] = min(factor, factors.get(i, 1.0))
+        factors.update({i: 0.0 for i in zero_examples})
         for i, factor in factors.items():
             if factor < 1.0 and i not in reasons:
                 out[i] = _clipped(instructions[out[i].metadata.src_node_id], out[i], *deltas[i], factor)

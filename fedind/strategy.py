@@ -366,6 +366,10 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         seen: set[str] = set()
         for reply in replies:
             site_id = site_id_of(reply)
+            if next(iter(reply.content.metric_records.values()), {}).get(wire.NUM_EXAMPLES) == 0:
+                log(INFO, "aggregate_train: round %d: site %s trained on no windows (all of its classes are "
+                    "new to the model); it carries no weight", server_round, site_id)
+                continue
             try:
                 update = self.validate_reply(reply, current)
                 if site_id in seen:

@@ -422,3 +422,24 @@ def test_young_rows_holders_is_refit_under_a_strategy_that_cannot_average_over_h
     arrays = ArrayRecord({"head.weight": Array(np.ones((3, 2), np.float32)), "head.bias": Array(np.zeros(3, np.float32))})
     controller.end_of_round(1, arrays, [_train_reply(4, {wire.NEW_ROWS: [0.5, -0.5, 2.0], wire.NEW_COUNTS: [7]})])
     assert controller.train_records(2)[wire.NEW_CLASSES][wire.REFIT_FROM] == 3
+
+
+def test_a_line_whose_windows_are_all_of_a_new_class_still_grows_the_head(tmp_path):
+    """Phase 1 gives the new-class line nothing but the new class: it trains on nothing (the
+    head lacks the class) yet replies, so the head grows and no reply fails (at seed 8,
+    alpha 0.1 of the plant benchmark two lines failed every round of phase 1 instead)."""
+    from fedind.data.federation import site_ids
+
+    config = RunConfig(**{**SHORT, "strategy": "fedind", "compression": "topk", "young_rows": "holders"},
+                       run_dir=str(tmp_path / "runs"), run_name="only-new")
+    root = write_drift_federation(config.drift_spec(), tmp_path / "data")
+    holder = site_ids(config.num_sites)[new_class_site(config.drift_spec())]
+    path = batch_dir(root / "sites" / holder, 1) / "train.npz"
+    with np.load(path) as npz:
+        x, y = npz["x"], npz["y"]
+    new = y == NUM_CLASSES - 1
+    assert new.any() and not new.all()
+    write_split(path, SiteArrays(x[new], y[new]))
+    summary = simulate(replace(config, data_root=str(root)), runtime="loopback")
+    assert summary["continual"]["classes"] == NUM_CLASSES  # the line's reply said so
+    assert all(int(r["failures"]) == 0 for r in _rows(tmp_path / "runs" / "only-new" / "rounds.csv"))

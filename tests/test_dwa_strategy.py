@@ -259,10 +259,6 @@ def _negative_num_examples(site):
     site.n = -10
 
 
-def _zero_num_examples(site):
-    site.n, site.histogram = 0, [0, 0, 0]
-
-
 def _nan_num_examples(site):
     site.n = float("nan")
 
@@ -296,7 +292,6 @@ MALFORMED = {
     "extra array": (_extra_array, "unexpected ['extra']"),
     "missing num-examples": (_missing_num_examples, wire.NUM_EXAMPLES),
     "negative num-examples": (_negative_num_examples, wire.NUM_EXAMPLES),
-    "zero num-examples": (_zero_num_examples, wire.NUM_EXAMPLES),
     "nan num-examples": (_nan_num_examples, wire.NUM_EXAMPLES),
     "histogram wrong length": (_histogram_wrong_length, "classes"),
     "histogram negative": (_histogram_negative, "non-negative"),
@@ -616,3 +611,13 @@ def test_rows_from_average_over_holders_follow_the_sites_holding_each_class():
     strategy.average_over_holders(None)
     arrays, _, _ = run_round(strategy, head, sites, server_round=2)
     np.testing.assert_allclose(as_numpy(arrays)["head.bias"], [2.0, 2.0, 2.0])
+
+
+def test_a_site_that_trained_on_no_windows_carries_no_weight(flwr_log):
+    """num-examples 0 (its classes all new to the head): skipped, said at INFO, not a fault."""
+    base = {"head.bias": np.zeros(3, np.float32)}
+    sites = [Site({"head.bias": np.ones(3, np.float32)}, 10, [4, 3, 3], "a"),
+             Site({"head.bias": np.full(3, 9.0, np.float32)}, 0, [0, 0, 0], "b")]
+    arrays, _, _ = run_round(dwa(weighting=False, conflict_buffer=False), base, sites)
+    np.testing.assert_array_equal(as_numpy(arrays)["head.bias"], np.ones(3))
+    assert "site b trained on no windows" in flwr_log.text and not warnings_about(flwr_log, "site b")

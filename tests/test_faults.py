@@ -76,7 +76,7 @@ ATTACKS: dict[str, str] = {
     "scaled-1e6": "update norm",
     "histogram-sum": "label-histogram sums to",
     "histogram-negative": "counts must be non-negative",
-    "num-examples-zero": "expected a positive whole number",
+    "num-examples-negative": "expected a whole number >= 0",
     "num-examples-inflated": "num-examples 5e+04 is an outlier",
 }
 CRASH = "crash"  # the train handler raises: the site sends no update at all
@@ -134,8 +134,8 @@ def corrupt(kind: str, msg: Message, reply: Message) -> Message:
         histogram[low] -= shift  # -3 windows of one class ...
         histogram[high] += shift  # ... and the sum still equals num-examples
         metrics[wire.LABEL_HISTOGRAM] = histogram
-    elif kind == "num-examples-zero":
-        metrics[wire.NUM_EXAMPLES] = 0
+    elif kind == "num-examples-negative":
+        metrics[wire.NUM_EXAMPLES] = -1
     elif kind == "num-examples-inflated":  # 1000x the windows, and a histogram to match
         metrics[wire.NUM_EXAMPLES] = 1000 * metrics[wire.NUM_EXAMPLES]
         metrics[wire.LABEL_HISTOGRAM] = [1000 * c for c in metrics[wire.LABEL_HISTOGRAM]]

@@ -145,9 +145,9 @@ BAD_METRICS = {
     "lying histogram": ({wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: [50, 30, 20]}, "sums to 100"),
     "negative count": ({wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: [12, -2, 0]}, "non-negative"),
     "wrong classes": ({wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: [5, 5]}, "2 classes"),
-    "zero examples": ({wire.NUM_EXAMPLES: 0}, "positive whole number"),
-    "NaN examples": ({wire.NUM_EXAMPLES: float("nan")}, "positive whole number"),
-    "fractional examples": ({wire.NUM_EXAMPLES: 10.5}, "positive whole number"),
+    "negative examples": ({wire.NUM_EXAMPLES: -1}, "whole number >= 0"),
+    "NaN examples": ({wire.NUM_EXAMPLES: float("nan")}, "whole number >= 0"),
+    "fractional examples": ({wire.NUM_EXAMPLES: 10.5}, "whole number >= 0"),
     "no examples": ({wire.TRAIN_LOSS: 1.0}, "no 'num-examples'"),
 }
 
@@ -388,3 +388,16 @@ def test_the_label_alignment_of_the_test_updates_is_what_they_say():
 def test_invalid_alignment_threshold_is_rejected(threshold, release):
     with pytest.raises(ValueError, match="alignment_threshold"):
         UpdateScreen(alignment_threshold=threshold, alignment_release=release)
+
+
+def test_a_reply_that_trained_on_no_windows_passes_with_no_update():
+    """num-examples 0 (a line whose windows are all of classes the head lacks): the reply
+    passes, carrying its metrics, but whatever it sent is replaced by the model it got,
+    so even a robust mean that ignores the example counts takes nothing from it."""
+    out = screened(bad_arrays=_with("head.bias", np.full(3, 1e6, np.float32)),
+                   bad_metrics={wire.NUM_EXAMPLES: 0, wire.LABEL_HISTOGRAM: [0, 0, 0]})
+    assert not out[-1].has_error()
+    for name, value in GLOBAL.items():
+        np.testing.assert_array_equal(out[-1].content[wire.ARRAYS][name].numpy(), value)
+    assert out[-1].content[wire.METRICS][wire.NUM_EXAMPLES] == 0
+    assert all(not r.has_error() for r in out[:-1])
