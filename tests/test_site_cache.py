@@ -4,6 +4,7 @@ cache (fedind.site_cache), and a train message that imports only what it needs."
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,18 +50,22 @@ def test_momentum_sgd_rejects_bad_hyperparameters(kwargs):
         MomentumSGD([torch.zeros(1, requires_grad=True)], **kwargs)
 
 
-def test_a_train_message_imports_neither_dynamo_nor_the_crypto_stack(tmp_path):
+def test_a_train_message_imports_neither_dynamo_nor_the_crypto_stack_and_openmp_threads_sleep(tmp_path):
     site = write_site(tmp_path / "line-00", seed=1)
     script = (
         "import sys, json; from flwr.supercore.task_identity import TaskIdentity;"
         "TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 0, 1;"
         "from tests.test_site_cache import train_once;"
         f"train_once({str(site)!r}, None);"
+        "import os; print(os.environ.get('OMP_WAIT_POLICY'));"
         "print(json.dumps(sorted(m for m in ('torch._dynamo', 'sympy', 'phe', 'fedind.secure', 'fedind.crypto') if m in sys.modules)))"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    *_, policy, imported = done.stdout.strip().splitlines()
+    assert json.loads(imported) == []
+    assert policy == "PASSIVE"  # OpenMP threads sleep while they wait: ten agents share two cores
 
 
 # --------------------------------------------------------------------------- the cache
