@@ -10,14 +10,21 @@ the agent also publishes every global model it receives into that folder, for th
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 import zlib
 
-import numpy as np
-import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+# Flower starts a process per message; on a shared host (ten agents on two cores) torch's
+# OpenMP threads spinning while they wait cost more CPU than the work: a round of ten sites
+# took 35 s of wall time with spinning threads, 23 s with sleeping ones. Read by libgomp when
+# torch loads, so set before the import; a value in the environment is kept. Same numbers.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
 
 from . import wire
 from .config import RunConfig
@@ -39,8 +46,9 @@ from .publish import SERVE_DIR_KEY
 from .training import (
     TrainResult, cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts,
 )
+from .site_cache import cached_conditioning
+from .site_state import NODE_CONFIG_KEY as STATE_DIR_KEY
 from .site_state import run_scope_mod, state_mod
-from .secure import decrypt_query, paillier_mod
 from .transport import RESIDUALS, topk_mod
 
 def run_config_of(msg: Message) -> RunConfig:
@@ -134,6 +142,10 @@ def train(msg: Message, context: Context) -> Message:
         adjustment = prior_logit_adjustment(trained, config.logit_adjustment)
     if config.compression == "topk":  # the error-feedback residuals follow a grown head
         pad_residuals(context, RESIDUALS, num_classes)
+    # With a state-dir, the front end's output comes from the site's verified cache: a fresh
+    # process per message need not recompute it (fedind.site_cache; same numbers).
+    state_dir = context.node_config.get(STATE_DIR_KEY)
+    conditioned = cached_conditioning(str(state_dir), model, train_data.x, device) if state_dir and train_data.num_examples else None
     started = time.process_time()
     # A line whose windows are all of classes the head lacks trains nothing this round, but
     # still replies (0 examples, the model as received): its classes-seen and proposed rows
@@ -153,6 +165,7 @@ def train(msg: Message, context: Context) -> Message:
         replay_ratio=replay_ratio,
         penalty=received_penalty(msg, config, num_classes),
         grad_clip=config.local_grad_clip,
+        conditioned=conditioned,
     )
     metrics = MetricRecord(
         {
@@ -234,6 +247,24 @@ def phase_end(msg: Message, context: Context) -> Message:
         content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
     content[wire.METRICS] = metrics
     return Message(content=content, reply_to=msg)
+
+
+def paillier_mod(msg: Message, context: Context, call_next) -> Message:
+    """:func:`fedind.secure.paillier_mod` for a train message with ``encryption =
+    "paillier"``; any other message passes without importing the crypto stack (phe,
+    cryptography, the server's strategies): Flower starts a fresh process per message."""
+    if msg.metadata.message_type == MessageType.TRAIN and run_config_of(msg).encryption == "paillier":
+        from .secure import paillier_mod as encrypting
+
+        return encrypting(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def decrypt_query(msg: Message, context: Context) -> Message:
+    """:func:`fedind.secure.decrypt_query`, imported when a query asks for it."""
+    from .secure import decrypt_query as decrypt
+
+    return decrypt(msg, context)
 
 
 def site_app(*inner_mods, transport=topk_mod, outer_mods=()) -> ClientApp:

@@ -87,6 +87,48 @@ def trained_label_counts(histogram, replay_histogram=None, replay_ratio: float =
     return counts + replay_ratio * counts.sum() * memory / memory.sum()
 
 
+class MomentumSGD:
+    r"""``torch.optim.SGD(params, lr, momentum, weight_decay)`` (no dampening, no Nesterov),
+    step for step the same numbers as its single-tensor path:
+
+    .. math:: g \leftarrow \nabla + \lambda w, \quad b \leftarrow \mu b + g \; (b_1 = g),
+              \quad w \leftarrow w - \gamma b
+
+    Why not torch's: its first ``__init__`` / ``step`` imports ``torch._dynamo`` (with sympy),
+    about 1.2 s of CPU in a fresh process and another 1.7 s at exit; a site agent starts a
+    fresh process for every message (fedind.clientapp, docs/deployment.md).
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not (math.isfinite(momentum) and momentum >= 0):
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        self.params = [p for p in params if p.requires_grad]
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            grad = p.grad.add(p, alpha=self.weight_decay) if self.weight_decay != 0 else p.grad
+            if self.momentum != 0:
+                if self.buffers[i] is None:
+                    self.buffers[i] = grad.detach().clone()
+                else:
+                    self.buffers[i].mul_(self.momentum).add_(grad, alpha=1)
+                grad = self.buffers[i]
+            p.add_(grad, alpha=-self.lr)
+
+
 @dataclass(frozen=True)
 class TrainResult:
     loss: float  # mean training loss over the local steps
@@ -110,6 +152,7 @@ def train_local(
     replay_ratio: float = 0.0,
     penalty: Callable[[nn.Module], torch.Tensor] | None = None,
     grad_clip: float = 0.0,
+    conditioned: torch.Tensor | None = None,
 ) -> TrainResult:
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
 
@@ -130,6 +173,9 @@ def train_local(
     ``penalty(model)`` (e.g. :class:`fedind.ewc.EWCPenalty`) is added to the loss of every
     step, outside autocast.
 
+    ``conditioned``: ``condition_windows(model, data.x)`` computed beforehand (a site's
+    cache, :mod:`fedind.site_cache`); the steps are the same as without it.
+
     With the defaults the steps are exactly those of plain training.
     """
     if isinstance(replay_ratio, bool) or not (isinstance(replay_ratio, (int, float)) and 0 <= replay_ratio < math.inf):
@@ -142,7 +188,15 @@ def train_local(
     if replay is not None and replay.num_examples and replay.sample_shape != data.sample_shape:
         raise ValueError(f"replay windows {replay.sample_shape} differ from the data's {data.sample_shape}")
     model.to(device).train()
-    forward, x = _split_front_end(model, torch.from_numpy(data.x).to(device))
+    if conditioned is not None:
+        if not hasattr(model, "condition") or len(conditioned) != data.num_examples:
+            raise ValueError(
+                f"conditioned windows {tuple(conditioned.shape)} do not fit the model and the "
+                f"{data.num_examples} examples of data"
+            )
+        forward, x = model.classify, conditioned.to(device)
+    else:
+        forward, x = _split_front_end(model, torch.from_numpy(data.x).to(device))
     y = torch.from_numpy(data.y).to(device)
     mix = replay is not None and replay.num_examples > 0
     if mix:
@@ -151,7 +205,7 @@ def train_local(
         replay_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
         replay_generator = torch.Generator().manual_seed(replay_seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    optimizer = MomentumSGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     loss_fn = nn.CrossEntropyLoss()
     adjust = None if logit_adjustment is None else logit_adjustment.to(device)
@@ -181,7 +235,7 @@ def train_local(
                 loss = loss + 0.5 * proximal_mu * prox
             if penalty is not None:
                 loss = loss + penalty(model)
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss.backward()
             if grad_clip > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -199,7 +253,14 @@ def _split_front_end(model: nn.Module, x: torch.Tensor, chunk: int = 512) -> tup
     recomputing the front end every batch and epoch. Any other model gets ``(model, x)``."""
     if not hasattr(model, "condition") or not len(x):  # (an FFT of no windows fails; no batch would run)
         return model, x
-    return model.classify, torch.cat([model.condition(x[i : i + chunk]) for i in range(0, len(x), chunk)])
+    return model.classify, condition_windows(model, x, chunk)
+
+
+@torch.no_grad()
+def condition_windows(model: nn.Module, x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """``model.condition(x)`` in chunks of ``chunk`` windows (bounded memory): the windows
+    :meth:`fedind.models.FaultCNN.classify` trains on."""
+    return torch.cat([model.condition(x[i : i + chunk]) for i in range(0, len(x), chunk)])
 
 
 @torch.no_grad()

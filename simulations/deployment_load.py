@@ -12,6 +12,11 @@ between processes, e.g. torch's libraries, are split between them), sampled ever
 
     python simulations/deployment_load.py                      # 5, 10, 20, 25 sites, 2 rounds
     python simulations/deployment_load.py --sites 5 10 --rounds 3
+    python simulations/deployment_load.py --sites 10 --baseline 2ba926a   # that commit's code, then this one's
+
+With ``--baseline REF`` each size runs twice in the same invocation, first with the code of
+git commit ``REF`` (``flwr run`` of a ``git archive`` of it: server and site agents run that
+commit's fedind), then with this checkout's: before and after, side by side.
 
 Writes ``--out``/results.json and results.md (the README table). On a 2-core machine all
 agents and the server share the two cores, so the round time is mostly N ClientApp
@@ -26,6 +31,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +44,11 @@ from fedind.deploy_harness import BIN, LocalPlant, descendants, memory_bytes  # 
 from fedind.monitoring import code_version  # noqa: E402
 
 
+# Static data, as on 2026-11-29: the pyproject's default now has two data phases with replay
+# and EWC, which a 2-round check cannot hold (phase-rounds = 20).
+STATIC = "phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0.0"
+
+
 def sample_peak(pids_fn, stop: threading.Event, peak: dict) -> None:
     while not stop.is_set():
         peak["bytes"] = max(peak["bytes"], memory_bytes(pids_fn()))
@@ -48,8 +59,17 @@ def all_pids(procs) -> list[int]:
     return [pid for p in procs if p.alive() for pid in (p.popen.pid, *descendants(p.popen.pid))]
 
 
-def one_size(n: int, args: argparse.Namespace, work: Path) -> dict:
-    root = work / f"sites-{n}"
+def export_commit(ref: str, folder: Path) -> Path:
+    """The tracked files of git commit ``ref`` of this checkout, in ``folder``."""
+    repo = Path(__file__).resolve().parents[1]
+    folder.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def one_size(n: int, args: argparse.Namespace, work: Path, app: Path = Path("."), label: str = "this checkout") -> dict:
+    root = work / f"sites-{n}-{'before' if app != Path('.') else 'after'}"
     sites = [f"line-{i:02d}" for i in range(n)]
     with LocalPlant(root) as plant:
         plant.run([BIN / "fedind", "data", "generate", "--out", root / "data", "--sites", n,
@@ -72,7 +92,7 @@ def one_size(n: int, args: argparse.Namespace, work: Path) -> dict:
         run_config = (
             f"data-root='{root / 'data'}' run-dir='{root / 'runs'}' run-name='load' "
             f"num-server-rounds={args.rounds} local-epochs=1 model-width={args.model_width} "
-            f"round-timeout=900.0"
+            f"round-timeout=900.0 {STATIC}"
         )
         stop, peak, plant_peak = threading.Event(), {"bytes": server_idle}, {"bytes": 0}
         samplers = [
@@ -82,7 +102,7 @@ def one_size(n: int, args: argparse.Namespace, work: Path) -> dict:
         for sampler in samplers:
             sampler.start()
         started = time.monotonic()
-        run = plant.start("flwr-run", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
+        run = plant.start("flwr-run", [BIN / "flwr", "run", app, plant.connection, "--stream", "--run-config", run_config])
         code = run.popen.wait(timeout=args.rounds * (60 + 10 * n) + 300)
         total = time.monotonic() - started
         stop.set()
@@ -90,11 +110,14 @@ def one_size(n: int, args: argparse.Namespace, work: Path) -> dict:
             sampler.join()
         if code != 0:
             raise RuntimeError(f"flwr run with {n} sites failed:\n{run.text()[-4000:]}")
+        if not (root / "runs" / "load" / "rounds.csv").exists():  # flwr run exits 0 when the ServerApp fails
+            raise RuntimeError(f"flwr run with {n} sites wrote no rounds:\n{run.text()[-4000:]}")
         with open(root / "runs" / "load" / "rounds.csv", newline="") as f:
             rows = list(csv.DictReader(f))
         summary = json.loads((root / "runs" / "load" / "summary.json").read_text())
     later = [float(r["seconds"]) for r in rows[1:]] or [float(rows[0]["seconds"])]
     result = {
+        "code": label,
         "sites": n,
         "register_seconds": registered,
         "online_seconds": online,
@@ -121,13 +144,13 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"model-width {args.model_width} ({results[0]['model_parameters']:,} parameters), dense updates; "
         f"{os.cpu_count()} CPU cores, SuperLink and all agents on one machine, 127.0.0.1, TLS + SuperNode auth.",
         "",
-        "| sites | all online after | round 1 | later rounds (mean / max) | sites per round | failures "
+        "| code | sites | all online after | round 1 | later rounds (mean / max) | sites per round | failures "
         "| server memory idle → peak | per agent (idle) | all agents (peak) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['sites']} | {r['online_seconds']:.0f} s | {r['round1_seconds']:.1f} s "
+            f"| {r.get('code', 'this checkout')} | {r['sites']} | {r['online_seconds']:.0f} s | {r['round1_seconds']:.1f} s "
             f"| {r['round_seconds_mean']:.1f} / {r['round_seconds_max']:.1f} s "
             f"| {', '.join(map(str, r['sites_per_round']))} | {r['failures']} "
             f"| {r['server_pss_idle_mb']:.0f} → {r['server_pss_peak_mb']:.0f} MB | {r['agent_pss_idle_mb_mean']:.0f} MB "
@@ -145,6 +168,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--model-width", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("runs/deployment-load"))
+    parser.add_argument("--baseline", metavar="REF", help="also run each size with the code of git commit REF, first")
     parser.add_argument("--keep", action="store_true", help="keep the plants' folders (logs) under --out")
     args = parser.parse_args()
     # Stop cleanly (the plants' processes too) on Ctrl-C, kill and when run in the background.
@@ -154,7 +178,10 @@ def main() -> None:
     work = args.out / "plants" if args.keep else Path(tempfile.mkdtemp(prefix="fedind-load-"))
     results = []
     try:
+        baseline = export_commit(args.baseline, work / "baseline") if args.baseline else None
         for n in args.sites:
+            if baseline is not None:
+                results.append(one_size(n, args, work, baseline, label=f"before ({args.baseline})"))
             results.append(one_size(n, args, work))
             (args.out / "results.json").write_text(json.dumps(
                 {"config": vars(args) | {"out": str(args.out)}, "code_version": code_version(), "results": results},
