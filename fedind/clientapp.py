@@ -145,7 +145,8 @@ def train(msg: Message, context: Context) -> Message:
     # With a state-dir, the front end's output comes from the site's verified cache: a fresh
     # process per message need not recompute it (fedind.site_cache; same numbers).
     state_dir = context.node_config.get(STATE_DIR_KEY)
-    conditioned = cached_conditioning(str(state_dir), model, train_data.x, device) if state_dir and train_data.num_examples else None
+    cached = state_dir and train_data.num_examples
+    conditioned = cached_conditioning(str(state_dir), model, train_data.x, device) if cached else None
     started = time.process_time()
     # A line whose windows are all of classes the head lacks trains nothing this round, but
     # still replies (0 examples, the model as received): its classes-seen and proposed rows
