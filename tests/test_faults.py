@@ -401,7 +401,9 @@ def killed_site_scenario(scenario) -> None:
             plant.wait_for(lambda: victim.text().count("Start `flwr-clientapp` process") >= 2, 240,
                            "line-00 training in round 2", run, every=0.05)
             plant.stop(victim, signal.SIGKILL)
-            assert victim.text().count("Sent successfully") == 1  # its round-1 reply, never round 2's
+            # at most its round-1 reply (under load that one can still be in flight when round 2,
+            # past the round timeout, starts), never round 2's
+            assert victim.text().count("Sent successfully") <= 1
             killed = time.monotonic()
             plant.wait_for(lambda: any(line in run.text() for line in OFFLINE), 120, "line-00 offline", run, every=1)
             offline_after = time.monotonic() - killed
