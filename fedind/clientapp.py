@@ -42,7 +42,7 @@ from .data.sources import SiteData, site_from_dir, site_from_partition
 from .downlink import downlink_mod
 from .ewc import diagonal_fisher, focus
 from .models import FaultCNN
-from .publish import SERVE_DIR_KEY
+from .publish import SERVE_DIR_KEY, publish_received
 from .training import (
     TrainResult, cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts,
 )
@@ -86,12 +86,10 @@ def publish_for_line(msg: Message, context: Context, model_round: int) -> None:
     ``model_round``) there for the line's service (:func:`fedind.publish.publish_received`:
     written once per distinct file, atomically, digest file last; a failure is a logged
     warning, never the message's). The untrained starting model (round 0) is not published.
-    Without the key nothing is imported or computed."""
+    Without the key nothing is computed."""
     folder = context.node_config.get(SERVE_DIR_KEY)
     if not folder or model_round < 1:
         return
-    from .publish import publish_received
-
     publish_received(str(folder), {k: v.numpy() for k, v in msg.content[wire.ARRAYS].items()}, model_round)
 
 

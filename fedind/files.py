@@ -1,7 +1,9 @@
-"""Crash-safe file writes: one place for the temp-file, fsync, rename dance."""
+"""Crash-safe file writes: one place for the temp-file, fsync, rename dance, and for the
+``<name>.sha256`` file that vouches for a written file."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -25,3 +27,28 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def digest_path(path: Path) -> Path:
+    """The ``<name>.sha256`` file beside ``path`` (``sha256sum`` format)."""
+    path = Path(path)
+    return path.with_name(path.name + ".sha256")
+
+
+def write_verified(path: Path, data: bytes) -> str:
+    """:func:`atomic_write` ``data``, then its ``.sha256`` (last, so a reader that finds the
+    digest finds the whole file); return the SHA-256 hex digest."""
+    digest = hashlib.sha256(data).hexdigest()
+    atomic_write(path, data)
+    atomic_write(digest_path(path), f"{digest}  {Path(path).name}\n".encode())
+    return digest
+
+
+def read_digest(path: Path) -> str | None:
+    """The digest ``path``'s ``.sha256`` vouches for (lower case), or None: no digest file,
+    an unreadable or an empty one."""
+    try:
+        text = digest_path(path).read_text(encoding="utf-8").split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text[0].lower() if text else None

@@ -25,6 +25,7 @@ import torch
 
 from .checkpoint import MANIFEST, CorruptCheckpointError, read_checkpoint
 from .data.format import META_FILE, DataFormatError, load_split
+from .files import digest_path, read_digest
 
 MODEL_FILE = "model.safetensors"
 SUMMARY_FILE = "summary.json"
@@ -129,12 +130,12 @@ def _load_checkpoint(folder: Path, expected_sha256: str | None) -> LoadedModel:
 def _digest_claims(path: Path) -> list[tuple[str, str]]:
     """The digests the files beside ``path`` claim for it: ``<name>.sha256`` and the run's summary."""
     claims = []
-    sidecar = path.with_name(path.name + ".sha256")
+    sidecar = digest_path(path)
     if sidecar.is_file():
-        text = sidecar.read_text(encoding="utf-8", errors="replace").split()
-        if not text:
+        digest = read_digest(path)
+        if digest is None:
             raise ModelFileError(f"{sidecar}: empty digest file")
-        claims.append((text[0].lower(), sidecar.name))
+        claims.append((digest, sidecar.name))
     summary = _summary_beside(path)
     if summary is not None and summary.get("model_sha256"):
         claims.append((str(summary["model_sha256"]).lower(), f"{SUMMARY_FILE}'s model_sha256"))

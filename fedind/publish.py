@@ -16,11 +16,14 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
+from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write
+from flwr.common.logger import log
+
+from .files import read_digest, write_verified
 
 SERVE_DIR_KEY = "serve-dir"  # node config: the folder the line's service watches
 KEEP = 3  # published models kept in the folder (the newest); older ones are removed
@@ -51,15 +54,6 @@ def model_bytes(arrays: Mapping[str, np.ndarray], server_round: int) -> bytes:
     return data[:8] + canonical.ljust(size, b" ") + data[8 + size :]
 
 
-def published_digest(path: Path) -> str | None:
-    """The digest ``path``'s ``.sha256`` vouches for, or None (no digest file, unreadable)."""
-    try:
-        text = path.with_name(path.name + ".sha256").read_text(encoding="utf-8").split()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return text[0].lower() if text else None
-
-
 def publish_model(folder: Path, arrays: Mapping[str, np.ndarray], server_round: int) -> Path:
     """Write the global model of ``server_round`` into ``folder`` for a watching service:
     the file atomically (temporary file, ``os.replace``), then its ``.sha256``."""
@@ -70,10 +64,7 @@ def publish_model(folder: Path, arrays: Mapping[str, np.ndarray], server_round: 
 def _publish(folder: Path, data: bytes, server_round: int) -> tuple[Path, str]:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / model_file_name(server_round)
-    digest = hashlib.sha256(data).hexdigest()
-    atomic_write(path, data)
-    atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
-    return path, digest
+    return path, write_verified(path, data)
 
 
 def publish_if_new(folder: Path, arrays: Mapping[str, np.ndarray], server_round: int, keep: int = KEEP) -> Path | None:
@@ -88,7 +79,7 @@ def publish_if_new(folder: Path, arrays: Mapping[str, np.ndarray], server_round:
         same_size = path.stat().st_size == len(data)
     except OSError:
         same_size = False
-    if same_size and published_digest(path) == hashlib.sha256(data).hexdigest():
+    if same_size and read_digest(path) == hashlib.sha256(data).hexdigest():
         return None
     path, _ = _publish(folder, data, server_round)
     prune(folder, keep)
@@ -118,10 +109,6 @@ def prune(folder: Path, keep: int = KEEP) -> list[Path]:
 def publish_received(folder: str | Path, arrays: Mapping[str, np.ndarray], server_round: int) -> Path | None:
     """:func:`publish_if_new`, logging a failure as a warning instead of raising: the
     line's service keeps its current model, and the training message is not failed."""
-    from logging import INFO, WARNING
-
-    from flwr.common.logger import log
-
     try:
         path = publish_if_new(Path(folder).expanduser(), arrays, server_round)
     except Exception as err:  # noqa: BLE001 - a full disk or a bad folder must not fail training

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import math
 import platform
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write
+from .files import atomic_write, write_verified
 
 ROUND_FIELDS = (
     "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "sites", "failures", "seconds",
@@ -68,11 +67,7 @@ def save_model(path: Path, state: Mapping[str, np.ndarray], metadata: Mapping[st
     """Write safetensors atomically plus ``<name>.sha256``; return the SHA-256 hex digest."""
     from safetensors.numpy import save
 
-    data = save({k: np.ascontiguousarray(v) for k, v in state.items()}, metadata=dict(metadata))
-    atomic_write(path, data)
-    digest = hashlib.sha256(data).hexdigest()
-    atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
-    return digest
+    return write_verified(path, save({k: np.ascontiguousarray(v) for k, v in state.items()}, metadata=dict(metadata)))
 
 
 def _csv_values(row: RoundRow) -> list:

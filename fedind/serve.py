@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.concurrency import run_in_threadpool
+from fastapi.concurrency import run_in_threadpool
 
 from .checkpoint import MANIFEST
 from .data.format import DataFormatError
@@ -49,6 +49,7 @@ from .predict import (
     classify,
     load_model,
 )
+from .files import digest_path
 from .publish import model_file_name, publish_model  # noqa: F401 - the writers' side, re-exported
 
 log = logging.getLogger("fedind.serve")
@@ -138,7 +139,7 @@ def candidates(folder: Path) -> list[Path]:
 
 def signature(path: Path) -> tuple:
     """What identifies one version of a model file and of what vouches for it."""
-    parts = [path / MANIFEST] if path.is_dir() else [path, path.with_name(path.name + ".sha256")]
+    parts = [path / MANIFEST] if path.is_dir() else [path, digest_path(path)]
     stamps = []
     for part in parts:
         try:
