@@ -1,5 +1,5 @@
 """Flower ClientApp entry point (component `client.app:app`): the site agent."""
 
-from fedind.clientapp import app
+from fedind.site.app import app
 
 __all__ = ["app"]

@@ -7,7 +7,7 @@
 # --ca        the plant CA certificate (ca.crt) that signed the SuperLink's certificate
 # --key       this site's private key (`fedind deploy site-keys`), registered with the SuperLink
 # --data-dir  the site's folder: train.npz (+ test.npz) in fedind's site data format
-# --state-dir where the site keeps its state across restarts (fedind.site_state), per run
+# --state-dir where the site keeps its state across restarts (fedind.site.state), per run
 # --serve-dir publish every global model received there, for `fedind serve --watch DIR` at the line
 # --site-id   defaults to the data folder's name
 # --port      local port of this SuperNode's own Runtime API (default 9094; one per agent)

@@ -1,5 +1,5 @@
 """``python -m fedind``: the same command line as the ``fedind`` script."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

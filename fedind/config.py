@@ -17,15 +17,15 @@ from typing import Any
 from .data.drift import DriftSpec
 from .data.federation import FederationSpec
 from .data.synthetic import NUM_CLASSES
-from .replay import POLICIES as REPLAY_POLICIES
+from .continual.replay import POLICIES as REPLAY_POLICIES
 
-# "fedind" is the recipe's server: DWA weights and the conflict momentum buffer (fedind.strategy.DWA),
+# "fedind" is the recipe's server: DWA weights and the conflict momentum buffer (fedind.server.dwa.DWA),
 # the same strategy as "dwa", named for the recipe it is the default of.
 STRATEGIES = (
     "fedind", "fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "trimmedavgm", "dwa"
 )
 DWA_STRATEGIES = ("fedind", "dwa")
-YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual)
+YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual.phases)
 COMPRESSIONS = ("none", "topk")
 ENCRYPTIONS = ("none", "paillier")
 
@@ -71,7 +71,7 @@ class RunConfig:
     server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
     restart_agreement: float = 0.5  # dwa: restart a coordinate only where the sites' sign agreement is at least this (0 = wherever the mean opposes the buffer)
-    alignment_threshold: float = -0.4  # screen: reject a site whose decayed label alignment is below this (-1 = off; fedind.screening)
+    alignment_threshold: float = -0.4  # screen: reject a site whose decayed label alignment is below this (-1 = off; fedind.server.screening)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
     topk_quantization: str = "int4"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
@@ -81,10 +81,10 @@ class RunConfig:
     topk_gain: float = 1.5  # topk, residual: the server scales each decoded sparse delta by this (not with estimate)
     topk_estimate_decay: float = 1.0  # topk, estimate: share of the EF21 estimate carried to the next round (1 = EF21)
     topk_warmup_rounds: int = 3  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
-    downlink: str = "none"  # server -> site models: none (dense every round) | topk (sparse steps of a mirrored model; fedind.downlink)
+    downlink: str = "none"  # server -> site models: none (dense every round) | topk (sparse steps of a mirrored model; fedind.topk.downlink)
     downlink_ratio: float = 0.05  # downlink topk: share of coordinates of the model's change sent per round
     downlink_quantization: str = "int8"  # downlink topk: int8 | int4 | sign
-    encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.secure)
+    encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.server.encrypted)
     paillier_public_key: str = ""  # paillier: the server's public key file ("": simulate() makes a throwaway pair)
     paillier_private_key: str = ""  # paillier: the sites' private key file, unless node config paillier-private-key
     paillier_clip: float = 1.0  # paillier: update values are clipped to [-clip, clip] before fixed-point encoding
@@ -97,9 +97,9 @@ class RunConfig:
     checkpoint_keep: int = 3  # newest checkpoints kept in run-dir/<run-name>/checkpoints/
     resume: bool = False  # continue run-dir/<run-name> (newest run there if run-name is empty) from its newest valid checkpoint
     overwrite: bool = False  # start over in a run-dir/<run-name> that holds results (false: a new run refuses it, and resume refuses one without a valid checkpoint)
-    metrics_port: int = 0  # Prometheus /metrics of the server during a run (0 = off; fedind.monitoring)
+    metrics_port: int = 0  # Prometheus /metrics of the server during a run (0 = off; fedind.server.monitoring)
     metrics_address: str = "127.0.0.1"  # address the metrics endpoint binds (0.0.0.0 = every interface)
-    # Continual learning (fedind.continual): data arriving in phases, replay, EWC, new classes.
+    # Continual learning (fedind.continual.phases): data arriving in phases, replay, EWC, new classes.
     phases: int = 1  # data phases (1 = static data); phase p = rounds p*phase-rounds+1 .. (p+1)*phase-rounds
     phase_rounds: int = 0  # rounds per phase (needed with phases > 1); the last phase runs to num-server-rounds
     drift_regime_share: float = 0.5  # synthetic, each phase >= 1: share of lines whose operating regime changes
@@ -109,7 +109,7 @@ class RunConfig:
     replay_bytes: int = 0  # replay buffer bound in bytes (0 = what replay-samples windows take)
     replay_share: float = 0.1  # the buffer also holds at most this share of the windows the site has had
     replay_ratio: float = 0.5  # replayed windows per new window in each local batch
-    replay_policy: str = "balanced-loss"  # reservoir | balanced | balanced-loss (fedind.replay)
+    replay_policy: str = "balanced-loss"  # reservoir | balanced | balanced-loss (fedind.continual.replay)
     ewc_lambda: float = 0.0  # EWC penalty weight at the sites (0 = off)
     ewc_gamma: float = 1.0  # online EWC: Fisher of earlier phases is scaled by gamma at each consolidation
     ewc_server_lambda: float = 0.0  # server damps each coordinate's drift from its anchor by 1/(1 + this*F) (0 = off)
@@ -244,7 +244,7 @@ class RunConfig:
     @property
     def refits_young_rows(self) -> bool:
         """Whether the holders of a class grown in this phase refit its head rows every round
-        (fedind.continual). ``young-rows = holders`` averages them over the holders instead,
+        (fedind.continual.phases). ``young-rows = holders`` averages them over the holders instead,
         which only DWA can; with another strategy they are refit."""
         return not (self.young_rows == "holders" and self.strategy in DWA_STRATEGIES)
 

@@ -5,8 +5,8 @@ server's round logic (strategies, screening, metering, checkpoints, continual le
 but not Flower's runtime: no Ray, no SuperLink, no worker processes, no polling. The sites
 run one after another, in the order the messages were sent.
 
-What it keeps of the real runtimes (so that :func:`fedind.serverapp.run_server`,
-:mod:`fedind.rounds` and :class:`fedind.metering.MeteredGrid` work unchanged):
+What it keeps of the real runtimes (so that :func:`fedind.server.app.run_server`,
+:mod:`fedind.server.rounds` and :class:`fedind.server.metering.MeteredGrid` work unchanged):
 
 * **Nodes and contexts.** One ``Context`` per simulated node, as Flower's Simulation
   Runtime makes them: ``node_config`` ``{"partition-id": i, "num-partitions": n}``, a
@@ -28,7 +28,7 @@ What it keeps of the real runtimes (so that :func:`fedind.serverapp.run_server`,
   through Flower's protobuf serialization (``message_to_proto`` / ``message_from_proto``,
   the bytes a deployment sends), and the node's context through ``context_to_proto`` and
   back: nothing the site keeps aliases the server's objects or the other way round, as
-  across Ray's pickling or gRPC. The byte counts :class:`fedind.metering.MeteredGrid`
+  across Ray's pickling or gRPC. The byte counts :class:`fedind.server.metering.MeteredGrid`
   reports (``recorddict_to_proto(content).ByteSize()``) are those of the real runtimes.
 * **A process per side.** A site in Ray or on a SuperNode has its own random generators
   and its own torch thread count. Around each ClientApp call the grid saves and restores

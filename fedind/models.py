@@ -114,7 +114,7 @@ class FaultCNN(nn.Module):
 def initial_state(seed: int, in_channels: int, num_classes: int, width: int) -> dict[str, np.ndarray]:
     """The run's initial model as the server builds it (FaultCNN right after
     ``torch.manual_seed(seed)``), without touching the caller's random state: a site can
-    make it itself instead of receiving it (fedind.downlink checks the digest)."""
+    make it itself instead of receiving it (fedind.topk.downlink checks the digest)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = FaultCNN(in_channels=in_channels, num_classes=num_classes, width=width)

@@ -20,11 +20,11 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
-from .clientapp import app as site_app
+from .site.app import app as site_app
 from .config import RunConfig
 from .loopback import LoopbackGrid, task_identity
-from .secure import provision_simulation_keys
-from .serverapp import federation_shape, run_server
+from .server.encrypted import provision_simulation_keys
+from .server.app import federation_shape, run_server
 
 REPLY_POLL_SECONDS = 0.01
 RUNTIMES = ("ray", "loopback")
@@ -40,7 +40,7 @@ def simulate(
 ) -> dict:
     """Run ``config`` with one virtual SuperNode per site; return its summary.json.
 
-    ``client_app``: the site agent to simulate (default: :data:`fedind.clientapp.app`), e.g.
+    ``client_app``: the site agent to simulate (default: :data:`fedind.site.app.app`), e.g.
     one with an extra mod that misbehaves at some sites (``simulations/poisoning.py``).
     ``runtime``: ``"ray"`` (Flower's Simulation Runtime) or ``"loopback"`` (in this process,
     sequential: :mod:`fedind.loopback`; ``num_cpus`` is then each site's torch threads)."""
@@ -61,7 +61,7 @@ def simulate_many(
 
     The same results as a :func:`simulate` per config, bit for bit on CPU (each run seeds
     itself, and each site's ``context.state`` starts empty for each run:
-    :func:`fedind.site_state.run_scope_mod`), without starting Ray and the site workers
+    :func:`fedind.site.state.run_scope_mod`), without starting Ray and the site workers
     (imports, data) again for every run: about 15 s a run on 2 cores. For benchmarks that
     make many runs of the same federation size. The runs need distinct run folders and the
     same number of sites. With ``runtime="loopback"`` the runs share one

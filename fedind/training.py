@@ -38,7 +38,7 @@ def _autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-WEIGHT_DECAY = 1e-4  # of local SGD (and of a site's proposed rows for new classes, fedind.continual)
+WEIGHT_DECAY = 1e-4  # of local SGD (and of a site's proposed rows for new classes, fedind.continual.phases)
 
 
 def prior_logit_adjustment(histogram, tau: float = 1.0, floor: float = 1e-4) -> torch.Tensor:
@@ -96,7 +96,7 @@ class MomentumSGD:
 
     Why not torch's: its first ``__init__`` / ``step`` imports ``torch._dynamo`` (with sympy),
     about 1.2 s of CPU in a fresh process and another 1.7 s at exit; a site agent starts a
-    fresh process for every message (fedind.clientapp, docs/deployment.md).
+    fresh process for every message (fedind.site.app, docs/deployment.md).
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
@@ -170,11 +170,11 @@ def train_local(
     adjustment applied to both. An empty ``replay`` (a buffer before its first admission)
     mixes nothing.
 
-    ``penalty(model)`` (e.g. :class:`fedind.ewc.EWCPenalty`) is added to the loss of every
+    ``penalty(model)`` (e.g. :class:`fedind.continual.ewc.EWCPenalty`) is added to the loss of every
     step, outside autocast.
 
     ``conditioned``: ``condition_windows(model, data.x)`` computed beforehand (a site's
-    cache, :mod:`fedind.site_cache`); the steps are the same as without it.
+    cache, :mod:`fedind.site.cache`); the steps are the same as without it.
 
     With the defaults the steps are exactly those of plain training.
     """
@@ -266,7 +266,7 @@ def condition_windows(model: nn.Module, x: torch.Tensor, chunk: int = 512) -> to
 @torch.no_grad()
 def sample_losses(model: nn.Module, data: SiteArrays, device: torch.device, batch_size: int = 512) -> np.ndarray:
     """Cross-entropy of each example under ``model`` (float32 ``[N]``, plain logits, eval
-    mode, left in eval mode): the importance score a :class:`fedind.replay.ReplayBuffer`
+    mode, left in eval mode): the importance score a :class:`fedind.continual.replay.ReplayBuffer`
     admits by."""
     model.to(device).eval()
     out = np.empty(data.num_examples, dtype=np.float32)

@@ -4,19 +4,19 @@ ARRAYS = "arrays"  # ArrayRecord: model weights (dense), server -> site and site
 CONFIG = "config"  # ConfigRecord: server -> site instructions
 METRICS = "metrics"  # MetricRecord: site -> server numbers
 SITE = "site"  # ConfigRecord: site -> server identity
-SPARSE_UPDATE = "sparse-update"  # ConfigRecord: site -> server top-k delta (fedind.compression)
+SPARSE_UPDATE = "sparse-update"  # ConfigRecord: site -> server top-k delta (fedind.topk.codec)
 TOPK_ESTIMATE = "topk-estimate"  # ConfigRecord {"token": str}: EF21 estimate the server holds / the site's delta is relative to
 TOKEN = "token"
-ENCRYPTED_UPDATE = "encrypted-update"  # ConfigRecord: site -> server Paillier ciphertexts (fedind.crypto)
+ENCRYPTED_UPDATE = "encrypted-update"  # ConfigRecord: site -> server Paillier ciphertexts (fedind.paillier.packing)
 ENCRYPTED_AGGREGATE = "encrypted-aggregate"  # ConfigRecord: server -> decrypting site, the summed ciphertexts
 AGGREGATE = "aggregate"  # ArrayRecord: decrypting site -> server, the decrypted weighted mean delta
 
 # Error codes of site replies (Flower's ``Error.code``; Flower's own are below 1000), each distinct
 REJECTED_PAYLOAD = 1001  # the server could not decode a sparse (top-k) payload
-REJECTED_CIPHERTEXT = 1002  # the server refused an encrypted payload (fedind.secure)
-SITE_KEY_MISSING = 1003  # a site cannot load its private key (fedind.secure)
-STALE_DOWNLINK = 1004  # a site does not hold the base a downlink step refers to (fedind.downlink)
-REJECTED_UPDATE = 1005  # the server screened a train reply out (fedind.screening)
+REJECTED_CIPHERTEXT = 1002  # the server refused an encrypted payload (fedind.server.encrypted)
+SITE_KEY_MISSING = 1003  # a site cannot load its private key (fedind.server.encrypted)
+STALE_DOWNLINK = 1004  # a site does not hold the base a downlink step refers to (fedind.topk.downlink)
+REJECTED_UPDATE = 1005  # the server screened a train reply out (fedind.server.screening)
 SITE_ABSENT = 1006  # a simulated line off the network (simulations/)
 ERROR_CODES = {REJECTED_PAYLOAD: "rejected-payload", REJECTED_CIPHERTEXT: "rejected-ciphertext",
                SITE_KEY_MISSING: "site-key-missing", STALE_DOWNLINK: "stale-downlink",
@@ -49,7 +49,7 @@ DWA_WEIGHT_MIN = "dwa-weight-min"  # smallest aggregation weight given to a site
 DWA_WEIGHT_MAX = "dwa-weight-max"  # largest aggregation weight given to a site this round
 RESTART_SHARE = "restart-share"  # share of coordinates whose server momentum was reset this round
 
-# Continual learning (fedind.continual)
+# Continual learning (fedind.continual.phases)
 PHASE_END = "query.phase_end"  # message type, server -> every site at the end of a phase: consolidate
 PHASE = "phase"  # ConfigRecord key, server -> site: the phase that ends
 EWC_FISHER = "ewc-fisher"  # ArrayRecord: site -> server its Fisher (phase end); server -> site the consolidated one
@@ -65,12 +65,12 @@ REPLAY_SAMPLES = "replay-samples"  # MetricRecord key: windows in the site's rep
 REPLAY_BYTES = "replay-bytes"  # MetricRecord key: bytes the site's replay buffer holds (ReplayBuffer.nbytes)
 WINDOWS_SEEN = "windows-seen"  # MetricRecord key: windows the site has had (earlier phases offered + this batch)
 
-# Compressed downlink (fedind.downlink)
+# Compressed downlink (fedind.topk.downlink)
 DOWNLINK = "downlink"  # ConfigRecord, server -> site: {"token": digest of the model it is sent, "base"?, "cached:<record>"...}
 DOWNLINK_BASE = "base"  # its key: the digest of the model the sparse step applies to
 DOWNLINK_INIT = "init"  # its key: JSON spec of the run's initial model, which the site builds itself (fedind.models.initial_state)
 DOWNLINK_ORDER = "order"  # its key: the model's array names, in order (with a step)
 DOWNLINK_WHOLE = "downlink-whole"  # ArrayRecord, server -> site: arrays of the new model that changed shape (a grown head), whole
-DOWNLINK_STEP = "downlink-step"  # ConfigRecord, server -> site: the sparse step of the broadcast model (fedind.compression payload)
-SPARSE_RECORD = "packed:"  # ArrayRecord name prefix: a mostly-zero record in compact form (fedind.downlink.pack_sparse)
+DOWNLINK_STEP = "downlink-step"  # ConfigRecord, server -> site: the sparse step of the broadcast model (fedind.topk.codec payload)
+SPARSE_RECORD = "packed:"  # ArrayRecord name prefix: a mostly-zero record in compact form (fedind.topk.downlink.pack_sparse)
 CACHED_RECORD = "cached:"  # key prefix in DOWNLINK: an array record left out because the site holds it (value: its digest)

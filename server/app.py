@@ -1,5 +1,5 @@
 """Flower ServerApp entry point (component `server.app:app`)."""
 
-from fedind.serverapp import app
+from fedind.server.app import app
 
 __all__ = ["app"]

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fedind.config import RunConfig
-from fedind.serverapp import run_folder
+from fedind.server.app import run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 

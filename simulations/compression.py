@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.common import finished, parse_overrides, saved_figure  # noqa: E402
 
-from fedind.serverapp import run_folder  # noqa: E402
+from fedind.server.app import run_folder  # noqa: E402
 from fedind.simulation import simulate_many  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Uplink compression trials that did not beat fedind's top-k: the runs behind the README's
 *Top-k sparse uplink*, "Tried and dropped (2026-12-02, afternoon)".
 
-Each trial is a site mod that replaces fedind's top-k mod (``fedind.transport.topk_mod``)
+Each trial is a site mod that replaces fedind's top-k mod (``fedind.topk.uplink.topk_mod``)
 in the site agent; the server is fedind's, unchanged. Trials whose payload fedind's codec
 cannot carry (low-rank factors, seeded random subsets) send the reconstructed update as
 dense weights with the gain applied at the site, so their accuracy is what the method
@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simulations.common import parse_overrides  # noqa: E402
 
 from fedind import wire  # noqa: E402
-from fedind.clientapp import site_app  # noqa: E402
-from fedind.compression import (  # noqa: E402
+from fedind.site.app import site_app  # noqa: E402
+from fedind.topk.codec import (  # noqa: E402
     ErrorFeedback,
     SparseTensor,
     dequantise,
@@ -68,7 +68,7 @@ from fedind.compression import (  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.models import FaultCNN  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
-from fedind.transport import topk_mod  # noqa: E402
+from fedind.topk.uplink import topk_mod  # noqa: E402
 
 RESIDUALS = "trial-residuals"
 PREVIOUS = "trial-previous-global"

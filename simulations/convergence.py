@@ -32,8 +32,8 @@ from simulations.common import finished, parse_overrides, saved_figure  # noqa: 
 
 from fedind.centralized import train_centralized_many  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
-from fedind.results import rounds_to_target  # noqa: E402
-from fedind.serverapp import run_folder  # noqa: E402
+from fedind.server.results import rounds_to_target  # noqa: E402
+from fedind.server.app import run_folder  # noqa: E402
 from fedind.simulation import simulate_many  # noqa: E402
 
 # name -> run-config overrides; every other setting is shared.

@@ -1,6 +1,6 @@
 """Scale check of the deployment: N real SuperNodes against one SuperLink on loopback.
 
-For each N in ``--sites``: a fresh plant (fedind.deploy_harness, the deploy/ scripts as in
+For each N in ``--sites``: a fresh plant (tests/deploy_harness.py, the deploy/ scripts as in
 README's Deployment section: TLS, SuperNode authentication, registered keys), N site agents
 (``flower-supernode``, each with its own data folder, state-dir and FLWR_HOME), then a real
 ``flwr run`` of ``--rounds`` rounds. Reports per N: time until all N are online, round
@@ -39,9 +39,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plant: tests/deploy_harness.py
 
-from fedind.deploy_harness import BIN, LocalPlant, descendants, memory_bytes  # noqa: E402
-from fedind.monitoring import code_version  # noqa: E402
+from deploy_harness import BIN, LocalPlant, descendants, memory_bytes  # noqa: E402
+from fedind.server.monitoring import code_version  # noqa: E402
 
 
 # Static data, as on 2026-11-29: the pyproject's default now has two data phases with replay

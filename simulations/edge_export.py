@@ -31,7 +31,7 @@ from simulations.common import parse_overrides  # noqa: E402
 from fedind.centralized import site_training_data  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.data.sources import global_test_set, phase_test_set, site_from_partition  # noqa: E402
-from fedind.export import (  # noqa: E402
+from fedind.edge.export import (  # noqa: E402
     distil,
     latency,
     predict_classes,
@@ -40,7 +40,7 @@ from fedind.export import (  # noqa: E402
     to_torchscript,
     torchscript_bytes,
 )
-from fedind.predict import load_model  # noqa: E402
+from fedind.edge.predict import load_model  # noqa: E402
 
 BAR = {"accuracy_points": 1.0, "smaller": 3.0, "faster": 2.0}
 

@@ -7,7 +7,7 @@ scenario from the same initial model), measured side by side in one run:
   (``phe``: ``public_key.encrypt(float)`` per parameter, ``sum(w_i * Enc(x_i))``,
   ``private_key.decrypt`` per parameter) is timed on a sample of parameters and
   extrapolated to the whole update (it would take minutes per site); the packed path
-  (fedind.crypto) is timed on the whole update. Single-core CPU seconds
+  (fedind.paillier.packing) is timed on the whole update. Single-core CPU seconds
   (``time.process_time``), plus wall seconds with the obfuscators drawn in 2 processes,
   and the packed aggregate decrypted both ways: the key's short-exponent CRT decryption
   and phe's CRT decryption (exponent p - 1) of the same ciphertexts.
@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.common import parse_overrides  # noqa: E402
 
-from fedind import crypto  # noqa: E402
+from fedind.paillier import packing  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.data.sources import site_from_partition  # noqa: E402
-from fedind.metering import payload_bytes  # noqa: E402
+from fedind.server.metering import payload_bytes  # noqa: E402
 from fedind.models import FaultCNN  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 from fedind.training import cosine_lr, train_local  # noqa: E402
@@ -80,7 +80,7 @@ def cpu(fn, *args):
     return out, time.process_time() - started
 
 
-def naive(key: crypto.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, sample: int) -> dict:
+def naive(key: packing.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, sample: int) -> dict:
     """phe per value, on the first ``sample`` parameters of every site; seconds per parameter."""
     pub, priv = key.phe.public_key, key.phe
     values = [d[:sample] for d in deltas]
@@ -101,27 +101,27 @@ def naive(key: crypto.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray,
     }
 
 
-def packed(key: crypto.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, clip: float) -> dict:
+def packed(key: packing.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, clip: float) -> dict:
     from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
     count, sites = deltas[0].size, len(deltas)
-    levels = [crypto.quantise(d, clip) for d in deltas]
+    levels = [packing.quantise(d, clip) for d in deltas]
     clipped = sum(c for _, c in levels)
-    vectors, t_enc = cpu(lambda: [crypto.encrypt_levels(lv, key, clip) for lv, _ in levels])
+    vectors, t_enc = cpu(lambda: [packing.encrypt_levels(lv, key, clip) for lv, _ in levels])
     # the same with obfuscators drawn ahead (as the site does while it trains)
     n_ct = key.public.num_ciphertexts(count)
-    pool = crypto.ObfuscatorPool(key)
+    pool = packing.ObfuscatorPool(key)
     _, t_obf = cpu(pool.fill, n_ct)
-    _, t_enc_pre = cpu(crypto.encrypt_levels, levels[0][0], key, clip, pool)
-    parallel = crypto.ObfuscatorPool(key, workers=2)
+    _, t_enc_pre = cpu(packing.encrypt_levels, levels[0][0], key, clip, pool)
+    parallel = packing.ObfuscatorPool(key, workers=2)
     started = time.perf_counter()
     parallel.fill(n_ct)
     wall_obf_2 = time.perf_counter() - started
     records = [v.to_config(key.public) for v in vectors]
-    _, t_parse = cpu(lambda: [crypto.parse_record(r, key.public, kind="update", count=count, clip=clip) for r in records])
-    integers = crypto.integer_weights(weights)
-    aggregate, t_agg = cpu(crypto.weighted_sum, vectors, integers, key.public)
-    mean, t_dec = cpu(crypto.decrypt_sum, aggregate, key)
+    _, t_parse = cpu(lambda: [packing.parse_record(r, key.public, kind="update", count=count, clip=clip) for r in records])
+    integers = packing.integer_weights(weights)
+    aggregate, t_agg = cpu(packing.weighted_sum, vectors, integers, key.public)
+    mean, t_dec = cpu(packing.decrypt_sum, aggregate, key)
     phe_plain, t_dec_phe = cpu(lambda: [int(key.phe.raw_decrypt(c)) for c in aggregate.ciphertexts])
     if phe_plain != key.decrypt_many(aggregate.ciphertexts):
         raise RuntimeError("short-exponent decryption differs from phe's")
@@ -148,7 +148,7 @@ def packed(key: crypto.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray
         "clip": clip,
         "clipped_values": int(clipped),
         "max_abs_delta": float(max(np.abs(d).max() for d in deltas)),
-        "quantisation_bound": crypto.quantisation_bound(clip),
+        "quantisation_bound": packing.quantisation_bound(clip),
         "max_abs_error_vs_clipped_mean": float(np.max(np.abs(mean.astype(np.float64) - oracle))),
         "max_abs_error_vs_float_mean": float(np.max(np.abs(mean.astype(np.float64) - exact))),
         "mean_error_vs_clipped_mean": float(np.mean(mean.astype(np.float64) - oracle)),
@@ -170,15 +170,15 @@ VARIANTS = {
 @contextlib.contextmanager
 def encrypted_rounding():
     """Control: PLAINTEXT DWA with exactly the encrypted path's two roundings — site weights
-    to multiples of 1/K (crypto.integer_weights) and every site delta clipped and put on the
+    to multiples of 1/K (packing.integer_weights) and every site delta clipped and put on the
     fixed-point grid — so that it should track the encrypted run (diagnostic only)."""
-    import fedind.strategy as strategy_module
+    import fedind.server.dwa as strategy_module
 
     exact_weights, exact_valid = strategy_module.dwa_weights, strategy_module.DWA._valid_updates
     rng = np.random.default_rng(0)
 
     def rounded_weights(*args, **kwargs):
-        return np.array(crypto.integer_weights(exact_weights(*args, **kwargs)), dtype=np.float64) / crypto.MAX_SITES
+        return np.array(packing.integer_weights(exact_weights(*args, **kwargs)), dtype=np.float64) / packing.MAX_SITES
 
     def fixed_point_updates(self, server_round, replies, current):
         updates = exact_valid(self, server_round, replies, current)
@@ -186,7 +186,7 @@ def encrypted_rounding():
         for u in updates:
             for name in u.arrays:
                 d = np.clip(u.arrays[name].astype(np.float64) - current[name].astype(np.float64), -clip, clip)
-                d = np.floor(d * (crypto.VALUE_MAX / clip) + rng.random(d.shape)) * (clip / crypto.VALUE_MAX)
+                d = np.floor(d * (packing.VALUE_MAX / clip) + rng.random(d.shape)) * (clip / packing.VALUE_MAX)
                 u.arrays[name] = (current[name].astype(np.float64) + d).astype(current[name].dtype)
         return updates
 
@@ -210,7 +210,7 @@ def simulations(base: RunConfig, out: Path, variants: list[str], control: bool) 
             folder = out / "runs" / name
             if not (folder / "summary.json").exists():
                 if mode == "control":
-                    import fedind.strategy as strategy_module
+                    import fedind.server.dwa as strategy_module
 
                     strategy_module.DWA.encrypted_rounding_clip = config.paillier_clip
                     with encrypted_rounding():
@@ -310,7 +310,7 @@ def main(argv: list[str]) -> None:
     n = np.array([site_from_partition(base.federation_spec(), "", i, base.num_sites).train.num_examples
                   for i in range(base.num_sites)], dtype=np.float64)
     weights = n / n.sum()
-    key, t_key = cpu(crypto.generate_keypair, args.bits)
+    key, t_key = cpu(packing.generate_keypair, args.bits)
     results = {
         "config": base.to_flower(),
         "key_bits": key.public.bits,

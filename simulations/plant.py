@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simulations.common import finished, parse_overrides, pyproject_run_config, saved_figure  # noqa: E402
 
 from fedind import wire  # noqa: E402
-from fedind.clientapp import site_app  # noqa: E402
+from fedind.site.app import site_app  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.simulation import simulate_many  # noqa: E402
 

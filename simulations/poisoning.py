@@ -13,7 +13,7 @@ site's data lost to the federation: what any defence that rejects the attacker e
 round ends with, the floor such a defence cannot beat). Its ``num-examples`` and label
 histogram stay honest, so only the weights are poisoned and the structural screen has
 nothing to catch;
-the server's norm rule (``fedind/screening.py``) sees the update norm, λ times the honest
+the server's norm rule (``fedind/server/screening.py``) sees the update norm, λ times the honest
 one, and its label-alignment rule the classifier-bias update, reversed by ``signflip``
 (and left honest by ``bodyflip``). Every strategy runs behind that screen, as the server
 always does for plaintext updates; Flower's robust aggregators then see what passed it.
@@ -39,7 +39,7 @@ median, scaled down between 10x and 50x; the label-alignment rule reads the dire
 not the norm, so to it signflip4 looks as signflip1 does). In the table, "rejected" counts every failed
 reply, so an ``absent`` site's 80 error replies are in it. ``--clip-ratio c`` runs the
 server's screen with its norm clip at ``c`` times the round's median
-(``fedind.screening``; off by default).
+(``fedind.server.screening``; off by default).
 
 Writes OUT/{results.json,table.md,poisoning.png}; each run's folder is
 OUT/runs/<strategy>-<attack>-seed<N> (with ``norms.csv``: every reply's update norm, its
@@ -71,11 +71,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.common import parse_overrides, saved_figure  # noqa: E402
 
-import fedind.serverapp  # noqa: E402
+import fedind.server.app  # noqa: E402
 from fedind import wire  # noqa: E402
-from fedind.clientapp import site_app  # noqa: E402
-from fedind.metering import site_id_of  # noqa: E402
-from fedind.screening import InvalidUpdate, UpdateScreen, check_update, label_alignment  # noqa: E402
+from fedind.site.app import site_app  # noqa: E402
+from fedind.server.metering import site_id_of  # noqa: E402
+from fedind.server.screening import InvalidUpdate, UpdateScreen, check_update, label_alignment  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
 KINDS = ("scale", "signflip", "bodyflip", "absent")
@@ -227,7 +227,7 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
 
         def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
             out = super().__call__(instructions, replies)
-            alignments = {}  # node -> this round's label alignment (fedind.screening.label_alignment)
+            alignments = {}  # node -> this round's label alignment (fedind.server.screening.label_alignment)
             norms, labelled = {}, {}  # node -> (site, update); node -> (update, head update, histogram)
             for reply in replies:
                 instruction = instructions.get(reply.metadata.src_node_id)
@@ -279,7 +279,7 @@ def measure(
     if not (folder / "summary.json").exists():
         app = attacked_app(attack, sites) if attack is not None else None
         norms: list[dict] = []
-        with mock.patch.object(fedind.serverapp, "UpdateScreen", recording_screen(norms, clip_ratio)):
+        with mock.patch.object(fedind.server.app, "UpdateScreen", recording_screen(norms, clip_ratio)):
             simulate(replace(config, run_dir=str(out / "runs"), run_name=name), client_app=app)
         with open(folder / "norms.csv", "w", newline="") as f:
             fields = ["round", "site", "norm", "ratio_to_median", "cosine_to_median_update", "peer_cosine",
@@ -308,7 +308,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sites", type=int, nargs="+", default=[0], help="partition ids of the attacked sites")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--clip-ratio", type=float, default=None,
-                        help="run the server's screen with this norm clip (fedind.screening; default: the server's)")
+                        help="run the server's screen with this norm clip (fedind.server.screening; default: the server's)")
     parser.add_argument("--out", default="runs/poisoning")
     parser.add_argument("--no-run", action="store_true", help="tabulate the finished runs only, run nothing")
     args, overrides = parser.parse_known_args(argv)

@@ -7,7 +7,7 @@ just before the parent starts it:
 
     interpreter       until the child's first line runs
     flwr imports      what ``flwr-clientapp`` imports before it loads an app
-    app import        ``import fedind.clientapp``
+    app import        ``import fedind.site.app``
     data load         the site's data folder (``load_site_data``)
     model build       the global model from the message (``receive_model``)
     local score       the received model on the site's test split (``evaluate_known``)
@@ -64,7 +64,7 @@ def _child(args: argparse.Namespace) -> None:
     lap("flwr imports", start)
     start = time.time() - args.t0
     import fedind
-    import fedind.clientapp as clientapp
+    import fedind.site.app as agent
     from fedind import training
 
     lap("app import", start)
@@ -84,12 +84,12 @@ def _child(args: argparse.Namespace) -> None:
 
         setattr(module, name, wrapper)
 
-    timed(clientapp, "load_site_data", "data load")
-    timed(clientapp, "receive_model", "model build")
-    timed(clientapp, "evaluate_known", "local score")
+    timed(agent, "load_site_data", "data load")
+    timed(agent, "receive_model", "model build")
+    timed(agent, "evaluate_known", "local score")
     timed(training, "_split_front_end", "conditioning")
-    if hasattr(clientapp, "cached_conditioning"):
-        timed(clientapp, "cached_conditioning", "conditioning")
+    if hasattr(agent, "cached_conditioning"):
+        timed(agent, "cached_conditioning", "conditioning")
     backward = torch.Tensor.backward
 
     def first_backward(self, *a, **k):
@@ -98,7 +98,7 @@ def _child(args: argparse.Namespace) -> None:
 
     torch.Tensor.backward = first_backward
     handler_start = time.time() - args.t0
-    clientapp.app(_message(args), _context(args))
+    agent.app(_message(args), _context(args))
     marks["message done"] = time.time() - args.t0
     marks.update(spent)
     marks["other"] = marks["first step"] - handler_start - sum(spent.get(s, 0.0) for s in STAGES[3:7])

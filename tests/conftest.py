@@ -140,7 +140,7 @@ class Scenario:
 
     def plant(self, root):
         """A new plant under ``root``, closed at the latest with the lane."""
-        from fedind.deploy_harness import LocalPlant
+        from deploy_harness import LocalPlant
 
         if self.lane.get("aborted"):
             raise RuntimeError("the test session is ending: no new plant")

@@ -26,13 +26,13 @@ RAY_ENCRYPTED = dict(  # tests/test_secure.py::test_simulation_end_to_end_withou
 
 
 def main(out: Path) -> None:
-    from fedind import crypto
+    from fedind.paillier import packing
     from fedind.config import RunConfig
     from fedind.simulation import simulate_many
 
     run_dir, keys = out / "runs", out / "keys"
     keys.mkdir(parents=True, exist_ok=True)
-    crypto.save_keypair(crypto.generate_keypair(512), keys / "paillier.key", keys / "paillier.pub")
+    packing.save_keypair(packing.generate_keypair(512), keys / "paillier.key", keys / "paillier.pub")
     topk = RunConfig(**RAY_TOPK, run_dir=str(run_dir))
     configs = {
         "first": replace(topk, run_name="first"),
@@ -48,8 +48,8 @@ def main(out: Path) -> None:
         loads.append(repr(args))
         raise AssertionError("the server process touched a Paillier private key")
 
-    crypto.load_private_key = forbidden
-    crypto.PrivateKey.__init__ = forbidden
+    packing.load_private_key = forbidden
+    packing.PrivateKey.__init__ = forbidden
     summaries = simulate_many(list(configs.values()), runtime="ray")
     result = {
         **dict(zip(configs, summaries)),

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 
-from fedind.checkpoint import CheckpointStore, CorruptCheckpointError, join_arrays, read_checkpoint, split_arrays
+from fedind.server.checkpoint import CheckpointStore, CorruptCheckpointError, join_arrays, read_checkpoint, split_arrays
 from fedind.config import ConfigError, RunConfig
-from fedind.screening import UpdateScreen
-from fedind.serverapp import resume_point, run_folder
-from fedind.strategies import build_strategy, load_strategy_state, strategy_state
+from fedind.server.screening import UpdateScreen
+from fedind.server.app import resume_point, run_folder
+from fedind.server.strategies import build_strategy, load_strategy_state, strategy_state
 
 MODEL = {"conv.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "head.bias": np.ones(5, dtype=np.float32)}
 

@@ -1,4 +1,4 @@
-"""fedind.compression: top-k with error feedback, quantisation bounds, the wire codec and
+"""fedind.topk.codec: top-k with error feedback, quantisation bounds, the wire codec and
 every way :func:`decode` rejects a malformed payload."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedind.compression import (
+from fedind.topk.codec import (
     INDEX_RICE,
     MAGIC,
     MODES,

@@ -22,9 +22,9 @@ from flwr.serverapp.strategy import FedAdam, FedAvgM
 from safetensors.numpy import load_file
 
 from fedind import wire
-from fedind.checkpoint import CheckpointStore
+from fedind.server.checkpoint import CheckpointStore
 from fedind.config import ConfigError, RunConfig
-from fedind.continual import (
+from fedind.continual.phases import (
     fit_new_rows,
     forgetting,
     known,
@@ -34,7 +34,7 @@ from fedind.continual import (
     replay_capacity,
     restore_replay,
 )
-from fedind.continual_app import PhaseController
+from fedind.server.continual import PhaseController
 from fedind.data.drift import (
     DriftSpec,
     drifted_sites,
@@ -48,11 +48,11 @@ from fedind.data.drift import (
 from fedind.data.federation import FederationSpec
 from fedind.data.format import DataFormatError, SiteArrays, batch_dir, load_site, validate_phases, write_split
 from fedind.data.synthetic import NUM_CLASSES
-from fedind.expansion import head_classes
+from fedind.continual.expansion import head_classes
 from fedind.models import FaultCNN
-from fedind.replay import ReplayBuffer
+from fedind.continual.replay import ReplayBuffer
 from fedind.simulation import simulate
-from fedind.strategies import build_strategy, grow_strategy_classes, strategy_state
+from fedind.server.strategies import build_strategy, grow_strategy_classes, strategy_state
 
 SMALL = FederationSpec(num_sites=3, samples_per_site=40, window=256, global_test_per_class=2, seed=0)
 DRIFT = DriftSpec(federation=SMALL, phases=3, regime_share=0.5, new_classes=1, speed_factor=1.5)

@@ -1,4 +1,4 @@
-"""Paillier maths (fedind.crypto): packing, weighted sums, bounds, payload validation, keys.
+"""Paillier maths (fedind.paillier.packing): packing, weighted sums, bounds, payload validation, keys.
 
 Real Paillier ciphertexts throughout, with small keys (512 / 1024 bits) to stay fast.
 """
@@ -14,10 +14,10 @@ import gmpy2
 import numpy as np
 import pytest
 
-from fedind import crypto
-from fedind.cli import main as cli_main
+from fedind.paillier import packing
+from fedind.cli.main import main as cli_main
 from fedind.config import ConfigError, RunConfig
-from fedind.crypto import (
+from fedind.paillier.packing import (
     MAX_SITES,
     SLOT_BITS,
     VALUE_BITS,
@@ -43,12 +43,12 @@ from fedind.crypto import (
 
 @pytest.fixture(scope="module")
 def key():
-    return crypto.generate_keypair(1024)
+    return packing.generate_keypair(1024)
 
 
 @pytest.fixture(scope="module")
 def other_key():
-    return crypto.generate_keypair(512)
+    return packing.generate_keypair(512)
 
 
 def encrypt(values, key, clip=1.0):
@@ -205,7 +205,7 @@ def textbook_decrypt(key, c: int) -> int:
 
 
 def test_crt_short_exponent_decryption_equals_the_plain_one(key):
-    assert key.short_exponents and key.order_p.bit_length() == crypto.ORDER_BITS
+    assert key.short_exponents and key.order_p.bit_length() == packing.ORDER_BITS
     assert (key.p - 1) % key.order_p == 0 and (key.q - 1) % key.order_q == 0
     n = key.public.n
     plaintexts = [0, 1, n - 1, 2 ** (key.public.slots * SLOT_BITS) - 1] + [secrets_below(n) for _ in range(20)]
@@ -223,7 +223,7 @@ def test_a_key_without_subgroups_still_encrypts_and_decrypts(key):
 
     _, phe_private = paillier.generate_paillier_keypair(n_length=512)
     try:
-        plain_key = crypto.PrivateKey(phe_private.p, phe_private.q)
+        plain_key = packing.PrivateKey(phe_private.p, phe_private.q)
     except KeyFileError:
         pytest.skip("phe drew primes without the CRT condition")
     assert not plain_key.short_exponents
@@ -244,7 +244,7 @@ def test_a_site_that_encrypts_an_out_of_range_slot_makes_decryption_refuse(key):
     # slot 1 far above 2Q (the largest level a site can quantise to), short of a carry:
     # decryption catches slot sums above W * 2Q (not every in-range lie; README threat model)
     cheat = [raw_ciphertext(key, (2**SLOT_BITS - 2**VALUE_BITS) << SLOT_BITS)]
-    forged = crypto.EncryptedVector("update", key.public.fingerprint, 3, 1.0, 1, 1, cheat)
+    forged = packing.EncryptedVector("update", key.public.fingerprint, 3, 1.0, 1, 1, cheat)
     aggregate = weighted_sum([honest, forged], [1, 1], key.public)
     with pytest.raises(CiphertextError, match=r"value 1: decrypted slot sum .* exceeds .*overflow"):
         decrypt_sum(aggregate, key)
@@ -252,7 +252,7 @@ def test_a_site_that_encrypts_an_out_of_range_slot_makes_decryption_refuse(key):
 
 def test_a_plaintext_above_the_last_slot_makes_decryption_refuse(key):
     cheat = [raw_ciphertext(key, 1 << (key.public.slots * SLOT_BITS))]
-    forged = crypto.EncryptedVector("aggregate", key.public.fingerprint, 3, 1.0, 2, 2, cheat)
+    forged = packing.EncryptedVector("aggregate", key.public.fingerprint, 3, 1.0, 2, 2, cheat)
     with pytest.raises(CiphertextError, match="bits above its 42 slots: overflow"):
         decrypt_sum(forged, key)
 
@@ -356,7 +356,7 @@ def test_key_files_keep_the_subgroup_orders(tmp_path, key):
     body = json.loads((tmp_path / "k.pub").read_text())
     assert set(body) == {"format", "version", "fingerprint", "n"}  # the orders never reach the server
     with pytest.raises(KeyFileError, match="prime factor of p-1"):
-        crypto.PrivateKey(key.p, key.q, key.order_p + 2, key.order_q)
+        packing.PrivateKey(key.p, key.q, key.order_p + 2, key.order_q)
 
 
 def test_crt_obfuscators_are_nth_residues(key):
@@ -405,12 +405,12 @@ def test_private_key_readable_by_others_is_refused(tmp_path, key):
 def test_sealed_private_key_needs_the_passphrase(tmp_path, key, monkeypatch):
     save_keypair(key, tmp_path / "k", tmp_path / "k.pub", passphrase="correct horse")
     assert '"p"' not in (tmp_path / "k").read_text()
-    monkeypatch.delenv(crypto.PASSPHRASE_ENV, raising=False)
+    monkeypatch.delenv(packing.PASSPHRASE_ENV, raising=False)
     with pytest.raises(KeyFileError, match="sealed with a passphrase; set FEDIND_PAILLIER_PASSPHRASE"):
         load_private_key(tmp_path / "k")
     with pytest.raises(KeyFileError, match="wrong passphrase"):
         load_private_key(tmp_path / "k", passphrase="wrong")
-    monkeypatch.setenv(crypto.PASSPHRASE_ENV, "correct horse")
+    monkeypatch.setenv(packing.PASSPHRASE_ENV, "correct horse")
     assert load_private_key(tmp_path / "k").public == key.public
 
 

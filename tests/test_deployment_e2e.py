@@ -2,7 +2,7 @@
 authentication, three SuperNodes with their own data folders, a real ``flwr run``.
 
 Processes are started with the deploy/ scripts exactly as README's "Deployment" section
-does (fedind.deploy_harness) and stopped — process groups and stray descendants — when the
+does (tests/deploy_harness.py) and stopped — process groups and stray descendants — when the
 scenario ends, also when it fails. Every process gets its own FLWR_HOME under the
 scenario's temporary folder; ~/.flwr is not touched. Deselect with ``-m "not deployment"``.
 About 1.5 minutes on 2 cores, in a thread from the end of collection while the other tests
@@ -18,8 +18,8 @@ import urllib.request
 
 import pytest
 
-from fedind.deploy_harness import BIN, free_port
-from fedind.site_state import load_state
+from deploy_harness import BIN, free_port
+from fedind.site.state import load_state
 
 pytestmark = [
     pytest.mark.deployment,

@@ -8,7 +8,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 
 from fedind import wire
 from fedind.config import ConfigError, RunConfig
-from fedind.downlink import (
+from fedind.topk.downlink import (
     BROADCAST,
     STALE_DOWNLINK,
     CompressedDownlink,
@@ -17,7 +17,7 @@ from fedind.downlink import (
     downlink_mod,
     step_toward,
 )
-from fedind.metering import PerReply, payload_bytes
+from fedind.server.metering import PerReply, payload_bytes
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -193,7 +193,7 @@ def test_downlink_config_is_checked():
 
 
 def test_mostly_zero_records_travel_packed_and_come_back_exactly():
-    from fedind.downlink import pack_sparse, unpack_sparse
+    from fedind.topk.downlink import pack_sparse, unpack_sparse
 
     rng = np.random.default_rng(0)
     fisher = {"w": np.where(rng.random((64, 32)) < 0.1, rng.random((64, 32)), 0).astype(np.float32),
@@ -210,7 +210,7 @@ def test_mostly_zero_records_travel_packed_and_come_back_exactly():
 
 
 def test_a_focused_ewc_record_goes_packed_and_the_site_gets_it_dense():
-    from fedind.ewc import focus
+    from fedind.continual.ewc import focus
 
     server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
     g = arrays(0)

@@ -21,8 +21,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedind import wire
 from fedind.aggregation import GlobalHistogram, RestartMomentum, dwa_weights
 from fedind.config import RunConfig
-from fedind.strategies import build_strategy
-from fedind.strategy import DWA
+from fedind.server.strategies import build_strategy
+from fedind.server.dwa import DWA
 
 # --------------------------------------------------------------------------- helpers
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from fedind.data.format import SiteArrays
-from fedind.ewc import (
+from fedind.continual.ewc import (
     EWCPenalty,
     EWCState,
     aggregate_fishers,
@@ -15,7 +15,7 @@ from fedind.ewc import (
     merge_fisher,
     server_consolidation,
 )
-from fedind.expansion import expand_head, head_classes, pad_head_rows, set_head_rows, zero_head_rows
+from fedind.continual.expansion import expand_head, head_classes, pad_head_rows, set_head_rows, zero_head_rows
 from fedind.models import FaultCNN
 from fedind.training import train_local
 
@@ -426,7 +426,7 @@ def test_server_consolidation_rejects_bad_input(fisher, anchors, kappa):
 
 
 def test_focus_keeps_the_largest_share_of_fisher_coordinates_and_their_anchors():
-    from fedind.ewc import focus
+    from fedind.continual.ewc import focus
 
     fisher = {"a": np.array([0.0, 5.0, 1.0, 3.0], np.float32), "b": np.array([[4.0, 0.5]], np.float32)}
     anchors = {"a": np.arange(4, dtype=np.float32) + 1, "b": np.array([[7.0, 8.0]], np.float32)}
@@ -446,7 +446,7 @@ def test_a_penalty_consolidated_before_the_head_grew_holds_nothing_on_the_new_ro
 
     from fedind import wire
     from fedind.config import RunConfig
-    from fedind.continual_app import received_penalty
+    from fedind.server.continual import received_penalty
 
     model = FaultCNN(in_channels=1, num_classes=4, width=8)
     old = {k: v.detach().numpy() for k, v in model.state_dict().items()}

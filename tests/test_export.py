@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedind.cli import main as cli_main
+from fedind.cli.main import main as cli_main
 from fedind.data.format import SiteArrays, write_split
 from fedind.data.synthetic import NUM_CLASSES
-from fedind.export import (
+from fedind.edge.export import (
     EdgeFrontEnd,
     distil,
     predict_classes,
@@ -21,7 +21,7 @@ from fedind.export import (
     weight_bytes,
 )
 from fedind.models import FaultCNN, VibrationFrontEnd
-from fedind.results import save_model
+from fedind.server.results import save_model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@
    run in which site 0 sends nothing at all (its train handler crashes every round): the
    bad updates had no influence whatever. The clean run (no attacker) says what losing
    site 0's update costs. About 20 s on 2 busy cores (three runs, no Ray start).
-2. Deployment (``deployment`` marker, fedind.deploy_harness; a scenario that runs in a thread
+2. Deployment (``deployment`` marker, tests/deploy_harness.py; a scenario that runs in a thread
    from the end of collection, conftest.py, while the other tests run): three SuperNodes over TLS;
    one is SIGKILLed while it trains; the round ends at ``round-timeout`` with the other two,
    records the failure once and the run goes on; the agent, restarted once Flower counts
@@ -43,8 +43,9 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from safetensors.numpy import load_file
 
-from fedind import clientapp, wire
-from fedind.compression import (
+from fedind import wire
+from fedind.site import app as agent
+from fedind.topk.codec import (
     ErrorFeedback,
     PayloadError,
     SparseTensor,
@@ -55,13 +56,13 @@ from fedind.compression import (
     to_record,
 )
 from fedind.config import RunConfig
-from fedind.deploy_harness import BIN
-from fedind.metering import MeteredGrid
-from fedind.screening import UpdateScreen
-from fedind.secure import decrypt_query, paillier_mod
+from deploy_harness import BIN
+from fedind.server.metering import MeteredGrid
+from fedind.server.screening import UpdateScreen
+from fedind.server.encrypted import decrypt_query, paillier_mod
 from fedind.simulation import simulate
-from fedind.site_state import state_mod
-from fedind.transport import topk_mod
+from fedind.site.state import state_mod
+from fedind.topk.uplink import topk_mod
 
 # --------------------------------------------------------------------------- bad updates
 
@@ -172,8 +173,8 @@ class FaultMod:
 def faulty_app(kinds: tuple[str, ...]) -> ClientApp:
     """fedind's site agent (same handlers and mods) with :class:`FaultMod` inside state_mod."""
     app = ClientApp(mods=[state_mod, FaultMod(kinds), topk_mod, paillier_mod])
-    app.train()(clientapp.train)
-    app.evaluate()(clientapp.evaluate_global)
+    app.train()(agent.train)
+    app.evaluate()(agent.evaluate_global)
     app.query()(decrypt_query)
     return app
 
@@ -380,7 +381,7 @@ def killed_site_scenario(scenario) -> None:
     before that fix a site that stayed away stalled the run between rounds)."""
     from fedind.data.sources import site_from_dir
     from fedind.models import FaultCNN
-    from fedind.site_state import load_state
+    from fedind.site.state import load_state
     from fedind.training import evaluate
 
     with scenario.step("killed") as notes:

@@ -12,7 +12,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from fedind.loopback import LoopbackGrid, loopback_node_ids, task_identity
-from fedind.metering import MeteredGrid, payload_bytes
+from fedind.server.metering import MeteredGrid, payload_bytes
 
 
 def echo_app() -> ClientApp:

@@ -4,7 +4,7 @@ import pytest
 from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedind import wire
-from fedind.metering import MeteredGrid
+from fedind.server.metering import MeteredGrid
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -62,10 +62,11 @@ def test_replies_come_back_in_site_order_whatever_the_arrival_order():
 
 def test_every_fedind_error_code_is_distinct_and_above_flowers():
     """One table (fedind.wire): a reply's code names one cause."""
-    from fedind import downlink, screening, secure, transport
+    from fedind.server import encrypted, screening
+    from fedind.topk import downlink, uplink
 
     codes = [wire.REJECTED_PAYLOAD, wire.REJECTED_CIPHERTEXT, wire.SITE_KEY_MISSING, wire.STALE_DOWNLINK,
              wire.REJECTED_UPDATE, wire.SITE_ABSENT]
     assert len(set(codes)) == len(codes) == len(wire.ERROR_CODES) and min(codes) > 1000
-    assert (transport.REJECTED_PAYLOAD, secure.REJECTED_CIPHERTEXT, secure.SITE_KEY_MISSING, downlink.STALE_DOWNLINK,
+    assert (uplink.REJECTED_PAYLOAD, encrypted.REJECTED_CIPHERTEXT, encrypted.SITE_KEY_MISSING, downlink.STALE_DOWNLINK,
             screening.REJECTED_UPDATE) == tuple(codes[:5])

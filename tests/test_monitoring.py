@@ -1,4 +1,4 @@
-"""Prometheus metrics of a run (fedind.monitoring) and the code version in the audit trail."""
+"""Prometheus metrics of a run (fedind.server.monitoring) and the code version in the audit trail."""
 
 import socket
 import urllib.request
@@ -7,8 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedind.config import ConfigError, RunConfig
-from fedind.monitoring import RunMonitor, code_version
-from fedind.results import RoundRow
+from fedind.server.monitoring import RunMonitor, code_version
+from fedind.server.results import RoundRow
 
 
 def free_port() -> int:

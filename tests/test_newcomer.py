@@ -29,15 +29,16 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedind import serverapp, wire
-from fedind.checkpoint import CheckpointStore
-from fedind.cli import main as cli_main
+from fedind import wire
+from fedind.server import app as server_app
+from fedind.server.checkpoint import CheckpointStore
+from fedind.cli.main import main as cli_main
 from fedind.config import ConfigError, RunConfig, recipe
 from fedind.data.format import SiteArrays, write_split
-from fedind.diagnostics import common_cause, short_reason, site_score
-from fedind.launch import run_failure
+from fedind.server.diagnostics import common_cause, short_reason, site_score
+from fedind.cli.launch import run_failure
 from fedind.models import FaultCNN
-from fedind.serverapp import claim_run_folder, existing_results, federation_shape, run_server, train_config
+from fedind.server.app import claim_run_folder, existing_results, federation_shape, run_server, train_config
 from fedind.simulation import simulate, simulate_many
 
 REPO = Path(__file__).resolve().parents[1]
@@ -306,7 +307,7 @@ def test_the_server_names_a_mistyped_key_and_ends_with_a_one_line_cause(caplog):
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                       run_config={**RunConfig().to_flower(), "num-server-round": 3})
     with caplog.at_level(logging.ERROR, logger="flwr"), pytest.raises(ConfigError):
-        serverapp.main(None, context)
+        server_app.main(None, context)
     assert ("fedind: the run failed: ConfigError: Unknown run config key 'num-server-round' "
             "(did you mean 'num-server-rounds'?)") in caplog.messages
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedind.cli import main as cli_main
+from fedind.cli.main import main as cli_main
 from fedind.config import RunConfig
 from fedind.data.format import load_split
 from fedind.models import FaultCNN
-from fedind.predict import ModelFileError, load_model, read_windows
-from fedind.results import save_model
+from fedind.edge.predict import ModelFileError, load_model, read_windows
+from fedind.server.results import save_model
 from fedind.simulation import simulate
 from fedind.training import evaluate
 

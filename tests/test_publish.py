@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedind.checkpoint import CheckpointStore
-from fedind.clientapp import app as site_app
+from fedind.server.checkpoint import CheckpointStore
+from fedind.site.app import app as site_app
 from fedind.config import RunConfig
 from fedind.loopback import LoopbackGrid, task_identity
-from fedind.publish import model_bytes, model_file_name, publish_if_new, publish_received
-from fedind.serve import ModelSlot, ModelWatcher, ServeMetrics
-from fedind.serverapp import run_server
+from fedind.edge.publish import model_bytes, model_file_name, publish_if_new, publish_received
+from fedind.edge.serve import ModelSlot, ModelWatcher, ServeMetrics
+from fedind.server.app import run_server
 
 # tests/test_continual.py's short two-phase run: the head grows from 9 to 10 classes at round 3.
 SHORT = dict(

@@ -9,7 +9,7 @@ import torch
 
 from fedind.data.format import SiteArrays
 from fedind.models import FaultCNN
-from fedind.replay import POLICIES, ReplayBuffer
+from fedind.continual.replay import POLICIES, ReplayBuffer
 from fedind.training import evaluate, sample_losses, train_local
 
 SHAPE = (1, 16)

@@ -5,8 +5,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedind import wire
-from fedind.metering import MeteredGrid
-from fedind.screening import (
+from fedind.server.metering import MeteredGrid
+from fedind.server.screening import (
     REJECTED_UPDATE,
     AlignmentRecord,
     UpdateScreen,

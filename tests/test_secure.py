@@ -1,4 +1,4 @@
-"""Encrypted aggregation in Flower (fedind.secure): the site mod, the decrypt query, the
+"""Encrypted aggregation in Flower (fedind.server.encrypted): the site mod, the decrypt query, the
 server's reply check and the SecureAggregation wrapper, with real Paillier ciphertexts.
 
 Rounds run through a fake Grid that hands each message to the site-side code (the mod with a
@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from fedind import crypto, wire
+from fedind import wire
+from fedind.paillier import packing
 from fedind.aggregation import GlobalHistogram, dwa_weights
 from fedind.config import ConfigError, RunConfig
-from fedind.metering import MeteredGrid
-from fedind.secure import (
+from fedind.server.metering import MeteredGrid
+from fedind.server.encrypted import (
     REJECTED_CIPHERTEXT,
     SITE_KEY_MISSING,
     SecureAggregation,
@@ -39,8 +40,8 @@ CLIP = 0.5
 @pytest.fixture(scope="module")
 def key_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keys")
-    key = crypto.generate_keypair(512)
-    crypto.save_keypair(key, folder / "paillier.key", folder / "paillier.pub")
+    key = packing.generate_keypair(512)
+    packing.save_keypair(key, folder / "paillier.key", folder / "paillier.pub")
     return key, folder / "paillier.key", folder / "paillier.pub"
 
 
@@ -49,7 +50,7 @@ def site_side(monkeypatch, key_files):
     """A switch: private keys may be built / read only while ``state["site"]`` is True."""
     _, private_path, _ = key_files
     state = {"site": False}
-    original_init, original_read = crypto.PrivateKey.__init__, crypto._read_key_file
+    original_init, original_read = packing.PrivateKey.__init__, packing._read_key_file
 
     def guarded_init(self, p, q, *orders):
         if not state["site"]:
@@ -61,8 +62,8 @@ def site_side(monkeypatch, key_files):
             raise AssertionError("the server side read the private key file")
         return original_read(path)
 
-    monkeypatch.setattr(crypto.PrivateKey, "__init__", guarded_init)
-    monkeypatch.setattr(crypto, "_read_key_file", guarded_read)
+    monkeypatch.setattr(packing.PrivateKey, "__init__", guarded_init)
+    monkeypatch.setattr(packing, "_read_key_file", guarded_read)
     return state
 
 
@@ -181,9 +182,9 @@ def test_encrypted_round_equals_the_plaintext_weighted_mean_and_the_server_holds
     sites, locals_ = sites_for(g)
     grid = SiteGrid(sites, site_side)
     new, metrics, traffic = run_round(strategy, transform, grid, g, cfg)
-    k = crypto.integer_weights([30, 10, 60])
+    k = packing.integer_weights([30, 10, 60])
     # one float32 rounding of the reply weights, plus the documented quantisation bound
-    assert close(new, oracle(g, locals_, k)) <= crypto.quantisation_bound(CLIP) + 4e-7
+    assert close(new, oracle(g, locals_, k)) <= packing.quantisation_bound(CLIP) + 4e-7
     assert metrics["paillier-sites"] == 3
     assert metrics[wire.TRAIN_LOSS] == pytest.approx((30 * 30 + 10 * 10 + 60 * 60) / 100)
     assert len(grid.queries) == 1 and not traffic.failures
@@ -203,7 +204,7 @@ def test_dwa_weights_apply_under_encryption(key_files, site_side):
         hist.update(f"line-{i + 1}", h)
     w = dwa_weights(np.array([30.0, 10.0, 60.0]), hists, hist.distribution(), temperature=0.5, floor=cfg.dwa_floor)
     assert not np.allclose(w, [0.3, 0.1, 0.6], atol=0.01)  # the KL weights differ from FedAvg's here
-    assert close(new, oracle(g, locals_, crypto.integer_weights(w))) <= crypto.quantisation_bound(CLIP) + 4e-7
+    assert close(new, oracle(g, locals_, packing.integer_weights(w))) <= packing.quantisation_bound(CLIP) + 4e-7
     assert metrics[wire.DWA_WEIGHT_MIN] == pytest.approx(w.min())
 
 
@@ -217,10 +218,10 @@ def test_server_momentum_acts_on_the_decrypted_aggregate(key_files, site_side):
     g1 = {k: v.numpy() for k, v in first.items()}
     sites2 = [Site(s.node_id, {k: g1[k] + (s.local[k] - g[k]) for k in g}, s.n, s.histogram) for s in sites]
     second, _, _ = run_round(strategy, transform, SiteGrid(sites2, site_side), g1, cfg, server_round=2)
-    step = oracle(g, locals_, crypto.integer_weights([30, 10, 60]))
+    step = oracle(g, locals_, packing.integer_weights([30, 10, 60]))
     # heavy ball: the second step is the mean delta plus 0.5 x the first step
     expected = {k: g1[k] + (step[k] - g[k]) * 1.5 for k in g}
-    assert close(second, expected) <= 4 * crypto.quantisation_bound(CLIP) + 1e-6
+    assert close(second, expected) <= 4 * packing.quantisation_bound(CLIP) + 1e-6
 
 
 # --------------------------------------------------------------------------- rejections
@@ -283,7 +284,7 @@ def test_bad_encrypted_replies_become_logged_failures_and_the_round_goes_on(key_
     assert reason in traffic.failures[0]
     assert reason in " ".join(r.getMessage() for r in flwr_logs.records)  # the server logs why
     # the three good sites are aggregated without the bad one
-    assert close(new, oracle(g, locals_[:3], crypto.integer_weights([30, 10, 60]))) <= crypto.quantisation_bound(CLIP) + 1e-6
+    assert close(new, oracle(g, locals_[:3], packing.integer_weights([30, 10, 60]))) <= packing.quantisation_bound(CLIP) + 1e-6
 
 
 def test_an_overflowing_site_makes_the_decrypting_site_refuse_and_the_round_is_skipped(key_files, site_side, flwr_logs):
@@ -298,7 +299,7 @@ def test_an_overflowing_site_makes_the_decrypting_site_refuse_and_the_round_is_s
         site_side["site"] = False
         n, n2 = key.public.n, key.public.n_square
         record = reply.content[wire.ENCRYPTED_UPDATE]
-        m = 1 << (key.public.slots * crypto.SLOT_BITS)
+        m = 1 << (key.public.slots * packing.SLOT_BITS)
         forged = ((1 + m * n) * r % n2).to_bytes(key.public.ciphertext_bytes, "big")
         record["ciphertexts"] = forged + record["ciphertexts"][len(forged):]
         return reply
@@ -340,9 +341,9 @@ def test_the_decrypting_site_refuses_an_aggregate_of_one_site(key_files, site_si
     cfg = config(key_files)
     site = Site(1, arrays(0), 10, [10, 0, 0])
     site_side["site"] = True
-    levels, _ = crypto.quantise(np.zeros(87), CLIP)
-    single = crypto.encrypt_levels(levels, key, CLIP)
-    aggregate = crypto.weighted_sum([single], [crypto.MAX_SITES], key.public)
+    levels, _ = packing.quantise(np.zeros(87), CLIP)
+    single = packing.encrypt_levels(levels, key, CLIP)
+    aggregate = packing.weighted_sum([single], [packing.MAX_SITES], key.public)
     query = Message(RecordDict({wire.ENCRYPTED_AGGREGATE: ConfigRecord(aggregate.to_config(key.public)),
                                 wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower())})}),
                     message_type=MessageType.QUERY, dst_node_id=1)
@@ -392,8 +393,8 @@ def test_simulation_end_to_end_without_the_server_loading_the_private_key(ray_ru
     """The ServerApp runs in one process, the sites in Ray workers: with private keys
     forbidden in the ServerApp's process, the run still aggregates every round. (The run
     is one of the suite's single Ray start, ``ray_runs["encrypted"]``: tests/ray_batch.py,
-    whose process is the ServerApp's and forbids ``crypto.load_private_key`` and
-    ``crypto.PrivateKey.__init__`` while Ray runs.)"""
+    whose process is the ServerApp's and forbids ``packing.load_private_key`` and
+    ``packing.PrivateKey.__init__`` while Ray runs.)"""
     config = ray_runs["configs"]["encrypted"]
     assert (config.strategy, config.encryption, config.num_server_rounds, config.num_sites) == ("dwa", "paillier", 2, 3)
     assert ray_runs["private_key_loads"] == []
@@ -406,7 +407,7 @@ def test_simulation_end_to_end_without_the_server_loading_the_private_key(ray_ru
 def test_loopback_simulation_keeps_the_private_key_inside_the_site_agent(tmp_path, key_files, site_side):
     """The same run on the loopback runtime (sites called in this process): the private key
     is read and built only inside the site agent's ClientApp call, never by the server's code."""
-    from fedind.clientapp import app
+    from fedind.site.app import app
     from fedind.simulation import simulate
 
     _, private_path, public_path = key_files

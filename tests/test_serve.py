@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fedind.models import FaultCNN
-from fedind.predict import classify
-from fedind.serve import LineService, model_file_name, publish_model
+from fedind.edge.predict import classify
+from fedind.edge.serve import LineService, model_file_name, publish_model
 
 WINDOWS = np.random.default_rng(0).standard_normal((3, 1, 512)).astype(np.float32)
 

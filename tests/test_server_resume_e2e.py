@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedind.deploy_harness import BIN, LocalPlant
+from deploy_harness import BIN, LocalPlant
 
 pytestmark = [
     pytest.mark.deployment,

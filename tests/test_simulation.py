@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedind.cli import main as cli_main
+from fedind.cli.main import main as cli_main
 from fedind.config import RunConfig
 from fedind.data.format import DataFormatError
 from fedind.models import FaultCNN
-from fedind.results import ROUND_FIELDS, rounds_to_target
-from fedind.serverapp import federation_shape, run_server
+from fedind.server.results import ROUND_FIELDS, rounds_to_target
+from fedind.server.app import federation_shape, run_server
 from fedind.simulation import simulate, simulate_many
 
 DESIGN_COLUMNS = ["round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "sites", "failures", "seconds"]

@@ -1,5 +1,5 @@
 """A site's per-message cost: torch's SGD without torch._dynamo, the conditioned-window
-cache (fedind.site_cache), and a train message that imports only what it needs."""
+cache (fedind.site.cache), and a train message that imports only what it needs."""
 
 import hashlib
 import json
@@ -14,11 +14,12 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
-from fedind import clientapp, wire
+from fedind import wire
+from fedind.site import app as agent
 from fedind.config import RunConfig
 from fedind.data.format import SiteArrays, write_split
 from fedind.models import FaultCNN, initial_state
-from fedind.site_cache import CACHE_DIR, cache_key, cached_conditioning, conditioning_params
+from fedind.site.cache import CACHE_DIR, cache_key, cached_conditioning, conditioning_params
 from fedind.training import MomentumSGD, condition_windows
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
@@ -58,7 +59,7 @@ def test_a_train_message_imports_neither_dynamo_nor_the_crypto_stack_and_openmp_
         "from tests.test_site_cache import train_once;"
         f"train_once({str(site)!r}, None);"
         "import os; print(os.environ.get('OMP_WAIT_POLICY'));"
-        "print(json.dumps(sorted(m for m in ('torch._dynamo', 'sympy', 'phe', 'fedind.secure', 'fedind.crypto') if m in sys.modules)))"
+        "print(json.dumps(sorted(m for m in ('torch._dynamo', 'sympy', 'phe', 'fedind.server.encrypted', 'fedind.paillier.packing') if m in sys.modules)))"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
@@ -91,8 +92,8 @@ def train_once(site: str, state_dir) -> str:
     })
     node = {"data-dir": site} | ({"state-dir": str(state_dir)} if state_dir else {})
     context = Context(run_id=1, node_id=7, node_config=node, state=RecordDict(), run_config={})
-    clientapp.site_from_dir.cache_clear()  # a fresh process each message: nothing in memory
-    reply = clientapp.train(Message(content, message_type=MessageType.TRAIN, dst_node_id=7), context)
+    agent.site_from_dir.cache_clear()  # a fresh process each message: nothing in memory
+    reply = agent.train(Message(content, message_type=MessageType.TRAIN, dst_node_id=7), context)
     digest = hashlib.sha256()
     for name, array in reply.content[wire.ARRAYS].items():
         digest.update(name.encode() + array.numpy().tobytes())

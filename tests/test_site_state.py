@@ -1,4 +1,4 @@
-"""Persistent site state (fedind.site_state): round trip, the mod around topk_mod, corruption."""
+"""Persistent site state (fedind.site.state): round trip, the mod around topk_mod, corruption."""
 
 import json
 import logging
@@ -8,9 +8,9 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from fedind import wire
-from fedind.compression import decode, expected_of, from_record
+from fedind.topk.codec import decode, expected_of, from_record
 from fedind.config import RunConfig
-from fedind.site_state import (
+from fedind.site.state import (
     MANIFEST,
     RUN_RECORD,
     CorruptStateError,
@@ -21,7 +21,7 @@ from fedind.site_state import (
     save_state,
     state_mod,
 )
-from fedind.transport import topk_mod
+from fedind.topk.uplink import topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -193,7 +193,7 @@ def test_state_saved_before_runs_were_recorded_is_kept():
 
 
 def test_the_site_agent_scopes_state_to_a_run_inside_state_mod():
-    from fedind.clientapp import app
+    from fedind.site.app import app
 
     assert app._mods[:2] == [state_mod, run_scope_mod]  # Flower 1.42 keeps the mods list here
 
@@ -254,13 +254,13 @@ def test_state_of_an_evaluate_message_is_saved_too(tmp_path):
 def test_the_site_agent_runs_state_mod_outermost():
     # Inner mods (topk_mod's residuals, ...) write context.state after their call_next;
     # only the outermost mod sees and saves all of it.
-    from fedind.clientapp import app
+    from fedind.site.app import app
 
     assert app._mods[0] is state_mod  # Flower 1.42 keeps the mods list here
 
 
 def test_a_restarted_agent_keeps_its_ef21_estimate_in_step_with_the_server(tmp_path):
-    from fedind.transport import EstimateUplink
+    from fedind.topk.uplink import EstimateUplink
 
     def ef21_instruction(g: dict, server_round: int) -> Message:
         msg = instruction(g, server_round)

@@ -9,9 +9,9 @@ from flwr.serverapp.strategy import FedTrimmedAvg, FedAdam, FedAvg, FedAvgM, Fed
 
 from fedind import wire
 from fedind.config import RunConfig
-from fedind.rounds import in_dtypes_of, run_rounds
-from fedind.strategies import TrimmedFedAvgM, average_scalar_metrics, build_strategy, reset_strategy_rows
-from fedind.strategy import DWA
+from fedind.server.rounds import in_dtypes_of, run_rounds
+from fedind.server.strategies import TrimmedFedAvgM, average_scalar_metrics, build_strategy, reset_strategy_rows
+from fedind.server.dwa import DWA
 
 
 @pytest.mark.parametrize(

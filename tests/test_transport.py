@@ -7,10 +7,10 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from fedind import wire
-from fedind.compression import decode, expected_of, from_record
+from fedind.topk.codec import decode, expected_of, from_record
 from fedind.config import RunConfig
-from fedind.metering import MeteredGrid, PerReply, payload_bytes
-from fedind.transport import REJECTED_PAYLOAD, EstimateUplink, densify_reply, topk_mod
+from fedind.server.metering import MeteredGrid, PerReply, payload_bytes
+from fedind.topk.uplink import REJECTED_PAYLOAD, EstimateUplink, densify_reply, topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 

@@ -8,7 +8,7 @@ Layout::
       test.npz                    optional: held-out global test set for server-side evaluation
       meta.json                   optional: {"num_classes": K, "class_names": [...], ...}
 
-Data that arrive in phases (run config ``phases > 1``, :mod:`fedind.continual`) add one
+Data that arrive in phases (run config ``phases > 1``, :mod:`fedind.continual.phases`) add one
 folder per new batch; the files above are phase 0::
 
       sites/<site-id>/phase-<p>/train.npz   the line's batch of phase p >= 1 (test.npz optional)

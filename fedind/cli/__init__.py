@@ -1,0 +1,1 @@
+"""The ``fedind`` command line: data, deployment, key, run, predict, serve and export commands."""

@@ -1,0 +1,447 @@
+"""Paillier-encrypted aggregation in Flower: a client mod, a decrypt-query handler, the
+server-side reply check and a Strategy wrapper. The maths is :mod:`fedind.paillier.packing`.
+
+One round with ``encryption = "paillier"``::
+
+    site    train -> delta = w_local - w_global (all arrays, sorted names, flattened)
+            -> clip + fixed point + packed Paillier ciphertexts -> ConfigRecord
+               ``encrypted-update`` (no ArrayRecord: no plaintext weights leave the site)
+    server  check each reply (format, key fingerprint, count, clip, sizes, every ciphertext
+            in [1, n^2)): a bad one becomes an error reply, logged and counted in failures
+            -> the inner strategy's site weights w_i (num-examples, or DWA's KL weights
+            from the label histograms) -> integers k_i, sum K = 1024
+            -> prod_i c_i^k_i mod n^2 = Enc(sum_i k_i m_i)  (public key only)
+            -> QUERY message ``encrypted-aggregate`` to one site (rotating each round)
+    site    decrypt (CRT), check every slot is in range, reply ArrayRecord ``aggregate``
+            = the weighted mean delta (float32)
+    server  one synthetic reply ``w_global + mean delta`` with the summed num-examples and
+            the weighted scalar metrics -> the inner strategy's aggregate_train (server
+            momentum, FedAdam, DWA's momentum restart all act on the aggregate as usual)
+
+The server never loads a private key (:func:`fedind.paillier.packing.load_public_key` refuses one);
+it learns the round's weighted mean update, never a single site's. An aggregate of fewer
+than two sites is not decrypted (it would be that site's update).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from logging import INFO, WARNING
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from .. import wire
+from ..aggregation import GlobalHistogram, dwa_weights
+from ..config import DWA_STRATEGIES, ConfigError, RunConfig
+from ..paillier.packing import (
+    MAX_SITES,
+    CiphertextError,
+    EncryptedVector,
+    KeyFileError,
+    ObfuscatorPool,
+    PrivateKey,
+    PublicKey,
+    decrypt_sum,
+    encrypt_levels,
+    generate_keypair,
+    integer_weights,
+    load_private_key,
+    load_public_key,
+    parse_record,
+    quantise,
+    save_keypair,
+    weighted_sum,
+)
+from .metering import PerReply, site_id_of
+from .strategies import build_strategy, load_strategy_state, strategy_state
+from .screening import InvalidUpdate as InvalidReply
+from .screening import check_histogram
+
+PRIVATE_KEY_NODE_CONFIG = "paillier-private-key"  # node config: this site's private key file
+REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
+SITE_KEY_MISSING = wire.SITE_KEY_MISSING  # the code's table: fedind.wire
+MIN_SITES = 2  # an aggregate of fewer sites would be one site's update
+DECRYPT_ATTEMPTS = 3  # sites asked in turn when a decrypt query fails
+
+
+# --------------------------------------------------------------------------- site
+
+
+def site_private_key(context: Context, config: RunConfig) -> PrivateKey:
+    """The site's key: node config ``paillier-private-key``, else run config's path."""
+    path = str(context.node_config.get(PRIVATE_KEY_NODE_CONFIG, "") or config.paillier_private_key)
+    if not path:
+        raise KeyFileError(
+            "encryption = 'paillier' but this site has no private key: set node config "
+            f"{PRIVATE_KEY_NODE_CONFIG}='/path/paillier.key' (or run config paillier-private-key)"
+        )
+    return load_private_key(path)
+
+
+def flat_delta(sent: Mapping, local: Mapping) -> np.ndarray:
+    """``local - sent`` of every array, sorted by name, flattened (float64)."""
+    return np.concatenate(
+        [
+            (np.asarray(local[name].numpy(), np.float64) - np.asarray(sent[name].numpy(), np.float64)).ravel()
+            for name in sorted(sent)
+        ]
+    )
+
+
+def model_size(arrays: Mapping) -> int:
+    return int(sum(int(np.prod(a.shape)) for a in arrays.values()))
+
+
+def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """Flower client mod: with ``encryption = "paillier"`` the train reply's weights become
+    the encrypted, packed delta (obfuscators are drawn while the site trains)."""
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, context)
+    config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
+    if config.encryption != "paillier":
+        return call_next(msg, context)
+    try:
+        key = site_private_key(context, config)
+    except KeyFileError as err:
+        return Message(Error(code=SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+    sent = msg.content[wire.ARRAYS]
+    pool = ObfuscatorPool(key)
+    pool.fill_async(key.public.num_ciphertexts(model_size(sent)))
+    reply = call_next(msg, context)
+    if reply.has_error():
+        pool.wait()
+        return reply
+    started = time.perf_counter()
+    levels, clipped = quantise(flat_delta(sent, reply.content[wire.ARRAYS]), config.paillier_clip)
+    vector = encrypt_levels(levels, key, config.paillier_clip, pool)
+    content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})
+    content[wire.ENCRYPTED_UPDATE] = ConfigRecord(vector.to_config(key.public))
+    content[wire.METRICS][wire.ENCRYPT_SECONDS] = time.perf_counter() - started
+    content[wire.METRICS][wire.CLIPPED_VALUES] = clipped
+    return Message(content, reply_to=msg)
+
+
+def decrypt_query(msg: Message, context: Context) -> Message:
+    """ClientApp query handler: decrypt the server's ``encrypted-aggregate`` and return the
+    weighted mean delta as ArrayRecord ``aggregate`` (``{"mean": float32 [count]}``)."""
+    config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
+    try:
+        key = site_private_key(context, config)
+        record = msg.content.config_records.get(wire.ENCRYPTED_AGGREGATE)
+        if record is None:
+            raise CiphertextError(f"query without a {wire.ENCRYPTED_AGGREGATE!r} record")
+        aggregate = parse_record(record, key.public, kind="aggregate", clip=config.paillier_clip)
+        if aggregate.sites < MIN_SITES:  # defence in depth: it would be one site's update
+            raise CiphertextError(f"an aggregate of {aggregate.sites} site(s) is not decrypted (minimum {MIN_SITES})")
+        mean = decrypt_sum(aggregate, key)
+    except KeyFileError as err:
+        return Message(Error(code=SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+    except CiphertextError as err:
+        return Message(Error(code=REJECTED_CIPHERTEXT, reason=f"refused to decrypt the aggregate: {err}"), reply_to=msg)
+    return Message(RecordDict({wire.AGGREGATE: ArrayRecord({"mean": Array(mean)})}), reply_to=msg)
+
+
+# --------------------------------------------------------------------------- server
+
+
+def check_encrypted_reply(key: PublicKey, clip: float) -> Callable[[Message, Message], Message]:
+    """The MeteredGrid transform of an encrypted run: a train reply must carry a valid
+    ``encrypted-update`` for the model sent to it and no plaintext arrays; anything else
+    becomes an error reply naming the fault. Other replies pass unchanged."""
+
+    def transform(instruction: Message, reply: Message) -> Message:
+        if reply.has_error() or reply.metadata.message_type != MessageType.TRAIN:
+            return reply
+        try:
+            if reply.content.array_records or wire.ENCRYPTED_UPDATE not in reply.content.config_records:
+                raise CiphertextError(
+                    "encryption = 'paillier' but the reply carries plaintext arrays or no "
+                    f"{wire.ENCRYPTED_UPDATE!r} record (is the site running without the fedind mods?)"
+                )
+            count = model_size(instruction.content[wire.ARRAYS])
+            parse_record(reply.content[wire.ENCRYPTED_UPDATE], key, kind="update", count=count, clip=clip)
+        except CiphertextError as err:
+            return Message(
+                Error(code=REJECTED_CIPHERTEXT, reason=f"rejected encrypted update: {err}"), reply_to=instruction
+            )
+        return reply
+
+    return transform
+
+
+@dataclass
+class EncryptedReply:
+    site_id: str
+    node_id: int
+    num_examples: float
+    histogram: list[int] | None
+    vector: EncryptedVector
+    metrics: MetricRecord
+
+
+class SecureAggregation(Strategy):
+    """Wraps a strategy so that it aggregates encrypted updates it cannot read.
+
+    The wrapped strategy configures every round as usual and receives, per round, ONE reply
+    holding ``w_global + sum_i (k_i/K) delta_i`` (the decrypted weighted mean) with the
+    summed ``num-examples``: its weighted average of one reply is that reply, and server
+    momentum / FedAdam / DWA's momentum restart act on the aggregate exactly as in a plain
+    run. The site weights are computed here, before the sum: ``n_i / N``, or for DWA with
+    ``weighting`` the KL weights of :func:`fedind.aggregation.dwa_weights` over a
+    :class:`~fedind.aggregation.GlobalHistogram` kept here (the wrapped DWA is built with
+    weighting off, since it sees one reply).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        key: PublicKey,
+        clip: float,
+        *,
+        timeout: float,
+        dwa: Mapping | None = None,
+        num_classes: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(key, PublicKey):
+            raise TypeError("SecureAggregation takes the PUBLIC key only")
+        self.strategy = strategy
+        self.key = key
+        self.clip = float(clip)
+        self.timeout = float(timeout)
+        self.dwa = dict(dwa) if dwa else None  # {"temperature": T, "floor": f} for DWA weights
+        self.num_classes = num_classes
+        self.global_histogram = GlobalHistogram(num_classes) if self.dwa and num_classes else None
+        self.grid: Grid | None = None
+        self.arrays: ArrayRecord | None = None
+        self.train_config: ConfigRecord | None = None
+        self.instructions: dict[int, Message] = {}
+
+    def summary(self) -> None:
+        log(INFO, "\t├──> Paillier-encrypted aggregation:")
+        log(INFO, "\t│\t├── Public key: %d bits, fingerprint %s…", self.key.bits, self.key.fingerprint[:16])
+        log(INFO, "\t│\t├── Packing: %d values per ciphertext, clip %s", self.key.slots, self.clip)
+        log(INFO, "\t│\t└── Site weights: %s", "DWA (KL of label histograms)" if self.dwa else "num-examples")
+        self.strategy.summary()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
+        self.grid, self.arrays, self.train_config = grid, arrays, config
+        self.instructions = {m.metadata.dst_node_id: m for m in messages}
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self.arrays is None or self.grid is None:
+            raise RuntimeError("SecureAggregation: configure_train must run before aggregate_train")
+        updates = self._valid(server_round, list(replies))
+        if len(updates) < MIN_SITES:
+            log(
+                WARNING,
+                "encrypted round %d: %d valid update(s); an aggregate of fewer than %d sites is not "
+                "decrypted (it would reveal a site's update): the global model stays",
+                server_round, len(updates), MIN_SITES,
+            )
+            return None, None
+        weights = self._weights(updates)
+        try:
+            integers = integer_weights(weights)
+            aggregate = weighted_sum([u.vector for u in updates], integers, self.key)
+        except CiphertextError as err:
+            log(WARNING, "encrypted round %d: refused to aggregate: %s", server_round, err)
+            return None, None
+        mean = self._decrypt(server_round, aggregate, [u.node_id for u in updates])
+        if mean is None:
+            return None, None
+        arrays, metrics = self.strategy.aggregate_train(server_round, [self._as_reply(updates, mean)])
+        if metrics is not None:
+            metrics.pop(wire.CONFLICT_SHARE, None)  # per-site signs are hidden: not measured
+            if wire.DWA_WEIGHT_MIN in metrics:
+                metrics[wire.DWA_WEIGHT_MIN] = float(np.min(weights))
+                metrics[wire.DWA_WEIGHT_MAX] = float(np.max(weights))
+        return arrays, metrics
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]):
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    # ------------------------------------------------------------------ steps
+
+    def _valid(self, server_round: int, replies: list[Message]) -> list[EncryptedReply]:
+        count = model_size(self.arrays)
+        updates: list[EncryptedReply] = []
+        seen: set[str] = set()
+        for reply in replies:
+            if reply.has_error():
+                log(WARNING, "encrypted round %d: node %d failed: %s", server_round,
+                    reply.metadata.src_node_id, reply.error.reason)
+                continue
+            site = site_id_of(reply)
+            try:
+                if site in seen:
+                    raise InvalidReply("another reply of this round already came from this site id")
+                updates.append(self._decode(reply, count))
+                seen.add(site)
+            except (InvalidReply, CiphertextError) as err:
+                log(WARNING, "encrypted round %d: dropped the reply of site %s (node %d): %s",
+                    server_round, site, reply.metadata.src_node_id, err)
+        return updates
+
+    def _decode(self, reply: Message, count: int) -> EncryptedReply:
+        record = reply.content.config_records.get(wire.ENCRYPTED_UPDATE)
+        if record is None or reply.content.array_records:
+            raise InvalidReply(f"expected a {wire.ENCRYPTED_UPDATE!r} record and no plaintext arrays")
+        vector = parse_record(record, self.key, kind="update", count=count, clip=self.clip)
+        if len(reply.content.metric_records) != 1:
+            raise InvalidReply(f"expected exactly one MetricRecord, got {len(reply.content.metric_records)}")
+        metrics = next(iter(reply.content.metric_records.values()))
+        n = metrics.get(wire.NUM_EXAMPLES)
+        if not (isinstance(n, (int, float)) and not isinstance(n, bool) and np.isfinite(n) and n > 0):
+            raise InvalidReply(f"{wire.NUM_EXAMPLES} = {n!r}: expected a positive finite number")
+        histogram = metrics.get(wire.LABEL_HISTOGRAM)
+        if histogram is not None and self.global_histogram is not None:
+            check_histogram(histogram, self.num_classes, n)
+        return EncryptedReply(
+            site_id_of(reply), reply.metadata.src_node_id, float(n),
+            None if histogram is None else [int(c) for c in histogram], vector, metrics,
+        )
+
+    def _weights(self, updates: list[EncryptedReply]) -> np.ndarray:
+        n = np.array([u.num_examples for u in updates], dtype=np.float64)
+        if self.global_histogram is None or any(u.histogram is None for u in updates):
+            return n / n.sum()
+        for u in updates:
+            self.global_histogram.update(u.site_id, u.histogram)
+        return dwa_weights(
+            n, [u.histogram for u in updates], self.global_histogram.distribution(),
+            temperature=self.dwa["temperature"], floor=self.dwa["floor"],
+        )
+
+    def _decrypt(self, server_round: int, aggregate: EncryptedVector, nodes: list[int]) -> np.ndarray | None:
+        """Ask key-holding sites in turn (rotating with the round) to decrypt the sum."""
+        content = RecordDict(
+            {
+                wire.ENCRYPTED_AGGREGATE: ConfigRecord(aggregate.to_config(self.key)),
+                wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: str(self.train_config[wire.RUN_CONFIG])}),
+            }
+        )
+        start = (server_round - 1) % len(nodes)
+        for node in (nodes[(start + i) % len(nodes)] for i in range(min(DECRYPT_ATTEMPTS, len(nodes)))):
+            query = Message(content=content, message_type=MessageType.QUERY, dst_node_id=node)
+            answers = list(self.grid.send_and_receive([query], timeout=self.timeout))
+            try:
+                if not answers:
+                    raise InvalidReply("no answer (timeout)")
+                return self._check_mean(answers[0], aggregate.count)
+            except InvalidReply as err:
+                log(WARNING, "encrypted round %d: node %d did not decrypt the aggregate: %s", server_round, node, err)
+        log(WARNING, "encrypted round %d: no site decrypted the aggregate; the global model stays", server_round)
+        return None
+
+    def _check_mean(self, answer: Message, count: int) -> np.ndarray:
+        if answer.has_error():
+            raise InvalidReply(answer.error.reason)
+        record = answer.content.array_records.get(wire.AGGREGATE)
+        if record is None or set(record) != {"mean"}:
+            raise InvalidReply(f"expected ArrayRecord {wire.AGGREGATE!r} with one array 'mean'")
+        mean = record["mean"].numpy()
+        if mean.dtype != np.float32 or mean.shape != (count,):
+            raise InvalidReply(f"mean is {mean.dtype}{list(mean.shape)}, expected float32[{count}]")
+        if not np.all(np.isfinite(mean)) or np.abs(mean).max(initial=0) > self.clip * (1 + 1e-6):
+            raise InvalidReply(f"mean has non-finite values or values beyond the clip {self.clip}")
+        return mean
+
+    def _as_reply(self, updates: list[EncryptedReply], mean: np.ndarray) -> Message:
+        """One reply holding ``w_global + mean``, the summed num-examples and the scalar
+        metrics every site sent, averaged by num-examples (as Flower's FedAvg)."""
+        current = {name: self.arrays[name].numpy() for name in self.arrays}
+        arrays, offset = {}, 0
+        for name in sorted(current):
+            size = current[name].size
+            step = mean[offset : offset + size].reshape(current[name].shape)
+            arrays[name] = Array((current[name].astype(np.float64) + step).astype(current[name].dtype))
+            offset += size
+        keys = set.intersection(*({k for k, v in u.metrics.items() if not isinstance(v, list)} for u in updates))
+        records = [RecordDict({wire.METRICS: MetricRecord({k: u.metrics[k] for k in keys})}) for u in updates]
+        metrics = aggregate_metricrecords(records, wire.NUM_EXAMPLES)
+        metrics[wire.NUM_EXAMPLES] = float(sum(u.num_examples for u in updates))
+        metrics["paillier-sites"] = len(updates)
+        content = RecordDict({wire.ARRAYS: ArrayRecord({n: arrays[n] for n in self.arrays}), wire.METRICS: metrics})
+        return Message(content, reply_to=self.instructions[updates[0].node_id])
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {
+            "global_histogram": None if self.global_histogram is None else self.global_histogram.state_dict(),
+            "strategy": strategy_state(self.strategy),  # e.g. FedAvgM's momentum, DWA's buffers
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if not isinstance(state, Mapping) or set(state) != {"global_histogram", "strategy"}:
+            raise ValueError("Invalid SecureAggregation state: expected keys ['global_histogram', 'strategy']")
+        if (state["global_histogram"] is None) != (self.global_histogram is None):
+            raise ValueError("Invalid SecureAggregation state: global histogram does not match the weighting")
+        load_strategy_state(self.strategy, state["strategy"])
+        if self.global_histogram is not None:
+            self.global_histogram.load_state_dict(state["global_histogram"])
+
+
+def encrypted_server(
+    config: RunConfig, num_sites: int, num_classes: int
+) -> tuple[SecureAggregation, PerReply]:
+    """The strategy and reply check of an encrypted run; ConfigError (naming the key) when
+    the public key cannot be used or the federation does not fit the encryption."""
+    if not config.paillier_public_key:
+        raise ConfigError(
+            "encryption = 'paillier' needs run config paillier-public-key: create a key pair with "
+            "`fedind keys paillier --out DIR`, give the server DIR/paillier.pub and every site DIR/paillier.key"
+        )
+    try:
+        key = load_public_key(config.paillier_public_key)
+    except KeyFileError as err:
+        raise ConfigError(f"Invalid run config paillier-public-key: {err}") from None
+    per_round = max(1, round(config.fraction_train * num_sites))
+    if per_round < MIN_SITES or num_sites > MAX_SITES:
+        raise ConfigError(
+            f"encryption = 'paillier' needs {MIN_SITES} to {MAX_SITES} sites per round; this federation "
+            f"has {num_sites} sites, {per_round} sampled per round (num-sites / fraction-train / data-root)"
+        )
+    dwa = None
+    inner_config = config
+    if config.strategy in DWA_STRATEGIES and config.dwa_weighting:
+        dwa = {"temperature": config.dwa_temperature, "floor": config.dwa_floor}
+        inner_config = replace(config, dwa_weighting=False)  # it sees one reply: weights here
+    inner = build_strategy(inner_config, num_sites, num_classes)
+    strategy = SecureAggregation(
+        inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes
+    )
+    return strategy, PerReply(check_encrypted_reply(key, config.paillier_clip))
+
+
+def provision_simulation_keys(config: RunConfig, folder: Path) -> RunConfig:
+    """In-process simulation without key files: a throwaway pair of ``paillier-key-bits`` in
+    ``folder/keys`` (private 0600). The server gets the public file, the sites the private
+    one; nothing else ever sees or keeps the pair."""
+    keys = Path(folder) / "keys"
+    keys.mkdir(parents=True, exist_ok=True)
+    private, public = keys / "paillier.key", keys / "paillier.pub"
+    for path in (private, public):
+        if path.exists():
+            path.unlink()
+    save_keypair(generate_keypair(config.paillier_key_bits), private, public)
+    return replace(config, paillier_public_key=str(public), paillier_private_key=str(private))
+

@@ -1,0 +1,286 @@
+"""The site agent: a Flower ClientApp that trains the global model on one line's data.
+
+Hyperparameters come from the run config the server sends with each message, so the
+agent behaves the same under ``flwr run``, ``run_simulation`` and a deployed SuperNode.
+Where the data is comes from the node config: ``data-dir`` (deployment, one site's folder)
+or ``partition-id`` / ``num-partitions`` (simulation). With ``serve-dir`` in the node config
+the agent also publishes every global model it receives into that folder, for the line's
+``fedind serve --watch`` (:func:`publish_for_line`).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+import zlib
+
+# Flower starts a process per message; on a shared host (ten agents on two cores) torch's
+# OpenMP threads spinning while they wait cost more CPU than the work: a round of ten sites
+# took 35 s of wall time with spinning threads, 23 s with sleeping ones. Read by libgomp when
+# torch loads, so set before the import; a value in the environment is kept. Same numbers.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from .. import wire
+from ..config import RunConfig
+from ..continual.phases import classes_seen, evaluate_known, known, propose_new_rows
+from ..server.continual import (
+    load_replay,
+    offered_phase,
+    pad_residuals,
+    received_penalty,
+    replay_metrics,
+    save_replay,
+)
+from ..data.format import DataFormatError
+from ..data.sources import SiteData, site_from_dir, site_from_partition
+from ..topk.downlink import downlink_mod
+from ..continual.ewc import diagonal_fisher, focus
+from ..models import FaultCNN
+from ..edge.publish import SERVE_DIR_KEY, publish_received
+from ..training import (
+    TrainResult, cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts,
+)
+from .cache import cached_conditioning
+from .state import NODE_CONFIG_KEY as STATE_DIR_KEY
+from .state import run_scope_mod, state_mod
+from ..topk.uplink import RESIDUALS, topk_mod
+
+def run_config_of(msg: Message) -> RunConfig:
+    return RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
+
+
+def load_site_data(context: Context, config: RunConfig, phase: int = 0) -> SiteData:
+    """The site's data of ``phase`` (its newest batch then; phase 0 with static data)."""
+    node = context.node_config
+    if "data-dir" in node:
+        return site_from_dir(str(node["data-dir"]), str(node.get("site-id", "")), phase)
+    if config.data_root:
+        spec = None
+    else:
+        spec = config.drift_spec() if config.phases > 1 else config.federation_spec()
+    return site_from_partition(spec, config.data_root, int(node["partition-id"]), int(node["num-partitions"]), phase)
+
+
+def receive_model(msg: Message, site: SiteData, config: RunConfig) -> FaultCNN:
+    """The global model of ``msg``. With static data a label beyond its head is a data
+    error; with phases it is a new class: the site leaves it out and reports it."""
+    model = FaultCNN.from_state_dict(msg.content[wire.ARRAYS].to_torch_state_dict())
+    num_classes = model.head.out_features
+    for split in (site.train, site.test):
+        if config.phases == 1 and split is not None and split.y.max() >= num_classes:
+            raise DataFormatError(
+                f"site {site.site_id}: label {int(split.y.max())} but the global model has "
+                f"{num_classes} classes"
+            )
+    return model
+
+
+def publish_for_line(msg: Message, context: Context, model_round: int) -> None:
+    """With ``serve-dir`` in the node config, publish the global model of ``msg`` (that of
+    ``model_round``) there for the line's service (:func:`fedind.edge.publish.publish_received`:
+    written once per distinct file, atomically, digest file last; a failure is a logged
+    warning, never the message's). The untrained starting model (round 0) is not published.
+    Without the key nothing is computed."""
+    folder = context.node_config.get(SERVE_DIR_KEY)
+    if not folder or model_round < 1:
+        return
+    publish_received(str(folder), {k: v.numpy() for k, v in msg.content[wire.ARRAYS].items()}, model_round)
+
+
+def _state(model: torch.nn.Module) -> ArrayRecord:
+    return ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
+
+
+def _site_seed(config: RunConfig, site_id: str, server_round: int) -> int:
+    return (config.seed * 1_000_003 + zlib.crc32(site_id.encode()) * 101 + server_round) % 2**31
+
+
+def refit_from(msg: Message, num_classes: int) -> int:
+    """The first class whose row the server asks holders to refit (``num_classes``: none)."""
+    value = msg.content.config_records.get(wire.NEW_CLASSES, {}).get(wire.REFIT_FROM)
+    valid = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= num_classes
+    return value if valid else num_classes
+
+
+def train(msg: Message, context: Context) -> Message:
+    config = run_config_of(msg)
+    server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
+    site = load_site_data(context, config, config.phase_of(server_round))
+    device = pick_device(config.device)
+    model = receive_model(msg, site, config)
+    publish_for_line(msg, context, server_round - 1)  # the global model after the previous round
+    num_classes = model.head.out_features
+    # New classes (phases > 1) wait until the head has them; classes-seen tells the server.
+    train_data = known(site.train, num_classes)
+    # Score the global model on local data first: the site's view of the federation.
+    before = evaluate_known(model, site.test if site.test is not None else site.train, device)
+    seen = classes_seen(site.train, site.test) if config.phases > 1 else num_classes
+    # Classes the head lacks, and the phase's young classes (the server's refit-from): propose
+    # their rows, fitted on the model as received (fedind.continual.phases).
+    first = min(num_classes, refit_from(msg, num_classes))
+    proposal = None
+    if seen > first and np.any(site.train.y >= first):
+        proposal = propose_new_rows(model, site.train, seen, config.logit_adjustment, device, first=first)
+    seed = _site_seed(config, site.site_id, server_round)
+    torch.manual_seed(seed)
+    histogram = np.bincount(train_data.y, minlength=num_classes)
+    buffer = load_replay(context, config, site.site_id, train_data, num_classes)
+    replay = buffer.arrays() if buffer is not None else None
+    replay_ratio = config.replay_ratio if replay is not None else 0.0
+    adjustment = None
+    if train_data.num_examples and config.logit_adjustment:  # the prior of what the loss sees: new windows and replayed ones
+        replayed = buffer.class_counts() if buffer is not None else None
+        trained = trained_label_counts(histogram, replayed, replay_ratio)
+        adjustment = prior_logit_adjustment(trained, config.logit_adjustment)
+    if config.compression == "topk":  # the error-feedback residuals follow a grown head
+        pad_residuals(context, RESIDUALS, num_classes)
+    # With a state-dir, the front end's output comes from the site's verified cache: a fresh
+    # process per message need not recompute it (fedind.site.cache; same numbers).
+    state_dir = context.node_config.get(STATE_DIR_KEY)
+    cached = state_dir and train_data.num_examples
+    conditioned = cached_conditioning(str(state_dir), model, train_data.x, device) if cached else None
+    started = time.process_time()
+    # A line whose windows are all of classes the head lacks trains nothing this round, but
+    # still replies (0 examples, the model as received): its classes-seen and proposed rows
+    # are how the server learns of the new class.
+    result = TrainResult(loss=0.0, steps=0) if not train_data.num_examples else train_local(
+        model,
+        train_data,
+        epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        lr=cosine_lr(config.learning_rate, config.lr_progress(server_round)),
+        seed=seed,
+        device=device,
+        proximal_mu=float(msg.content[wire.CONFIG].get("proximal-mu", 0.0)),
+        momentum=config.local_momentum,
+        logit_adjustment=adjustment,
+        replay=replay,
+        replay_ratio=replay_ratio,
+        penalty=received_penalty(msg, config, num_classes),
+        grad_clip=config.local_grad_clip,
+        conditioned=conditioned,
+    )
+    metrics = MetricRecord(
+        {
+            wire.NUM_EXAMPLES: train_data.num_examples,
+            wire.TRAIN_LOSS: result.loss,
+            wire.LABEL_HISTOGRAM: [int(c) for c in histogram],
+            wire.LOCAL_ACCURACY: before.accuracy,
+            wire.LOCAL_LOSS: before.loss,
+            wire.TRAIN_SECONDS: time.process_time() - started,
+            wire.PEAK_RSS_MB: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+    )
+    if config.phases > 1:
+        metrics[wire.CLASSES_SEEN] = seen
+        if config.replay_samples:
+            metrics.update(replay_metrics(buffer, train_data))
+    content = RecordDict(
+        {wire.ARRAYS: _state(model), wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})}
+    )
+    if proposal is not None:
+        rows, biases, counts = proposal
+        content[wire.NEW_CLASSES] = ConfigRecord(
+            {wire.NEW_ROWS: [float(v) for v in np.concatenate([rows.ravel(), biases])],
+             wire.NEW_COUNTS: [int(c) for c in counts]}
+        )
+    return Message(content=content, reply_to=msg)
+
+
+def evaluate_global(msg: Message, context: Context) -> Message:
+    """The final model on the site's own test split (of the last phase; labels beyond the
+    head count as errors). A site without one scores nothing (``num-examples`` 0, no
+    accuracy): its training data would flatter the model, and the summary says so."""
+    config = run_config_of(msg)
+    site = load_site_data(context, config, config.phases - 1)
+    model = receive_model(msg, site, config)
+    # The final model (the one evaluate round after the last); a strategy's per-round
+    # evaluate names its round.
+    publish_for_line(msg, context, int(msg.content[wire.CONFIG].get(wire.SERVER_ROUND, config.num_server_rounds)))
+    if site.test is None:
+        metrics = MetricRecord({wire.NUM_EXAMPLES: 0})
+    else:
+        result = evaluate_known(model, site.test, pick_device(config.device))
+        metrics = MetricRecord(
+            {wire.NUM_EXAMPLES: result.num_examples, "accuracy": result.accuracy, "loss": result.loss}
+        )
+    content = RecordDict({wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
+    return Message(content=content, reply_to=msg)
+
+
+def phase_end(msg: Message, context: Context) -> Message:
+    """End of a phase (``query.phase_end``, fedind.continual.phases): offer this phase's batch to
+    the replay buffer, scored by the loss of the global model it came with, and (EWC)
+    return the diagonal Fisher of that model on the batch."""
+    config = run_config_of(msg)
+    phase = int(msg.content[wire.CONFIG][wire.PHASE])
+    site = load_site_data(context, config, phase)
+    device = pick_device(config.device)
+    model = receive_model(msg, site, config)
+    server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
+    publish_for_line(msg, context, server_round)  # the model the next round trains from
+    num_classes = model.head.out_features
+    data = known(site.train, num_classes)
+    seed = _site_seed(config, site.site_id, server_round)
+    content = RecordDict({wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
+    metrics = MetricRecord({wire.NUM_EXAMPLES: data.num_examples})
+    if config.replay_samples:
+        buffer = load_replay(context, config, site.site_id, data, num_classes)
+        if buffer is not None and offered_phase(context) < phase and data.num_examples:
+            if len(buffer):  # scores taken at admission went stale as the model learnt
+                buffer.rescore(sample_losses(model, buffer.arrays(), device))
+            buffer.offer(data.x, data.y, sample_losses(model, data, device))
+            save_replay(context, buffer, phase)
+        metrics.update(replay_metrics(buffer, data))
+        if buffer is not None:
+            metrics[wire.WINDOWS_SEEN] = buffer.seen  # the batch is now offered
+    if config.ewc_lambda and data.num_examples:
+        fisher = diagonal_fisher(model, data, device, seed=seed % 2**31)
+        fisher, _ = focus(fisher, fisher, config.ewc_keep)  # the server keeps that share of the sum too
+        content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
+    content[wire.METRICS] = metrics
+    return Message(content=content, reply_to=msg)
+
+
+def paillier_mod(msg: Message, context: Context, call_next) -> Message:
+    """:func:`fedind.server.encrypted.paillier_mod` for a train message with ``encryption =
+    "paillier"``; any other message passes without importing the crypto stack (phe,
+    cryptography, the server's strategies): Flower starts a fresh process per message."""
+    if msg.metadata.message_type == MessageType.TRAIN and run_config_of(msg).encryption == "paillier":
+        from ..server.encrypted import paillier_mod as encrypting
+
+        return encrypting(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def decrypt_query(msg: Message, context: Context) -> Message:
+    """:func:`fedind.server.encrypted.decrypt_query`, imported when a query asks for it."""
+    from ..server.encrypted import decrypt_query as decrypt
+
+    return decrypt(msg, context)
+
+
+def site_app(*inner_mods, transport=topk_mod, outer_mods=()) -> ClientApp:
+    """fedind's site agent. ``inner_mods`` go innermost, after the transport (top-k) and
+    Paillier mods, so they see the dense trained weights: how a benchmark puts an attacker
+    or a recorder into a site. ``transport`` replaces the top-k mod: how a benchmark tries
+    another uplink (``simulations/compression_trials.py``). ``outer_mods`` go outermost, before
+    the site's state is restored: how a benchmark takes a line off the network for some rounds."""
+    # state_mod first (outermost): it saves context.state after the inner mods wrote to it;
+    # run_scope_mod next: it sees the restored state.
+    # downlink_mod before the transport: the top-k delta is taken from the rebuilt model.
+    site = ClientApp(mods=[*outer_mods, state_mod, run_scope_mod, downlink_mod, transport, paillier_mod, *inner_mods])
+    site.train()(train)
+    site.evaluate()(evaluate_global)
+    site.query("phase_end")(phase_end)
+    site.query()(decrypt_query)  # encryption = "paillier": decrypt the round's summed ciphertexts
+    return site
+
+
+app = site_app()

@@ -1,0 +1,211 @@
+"""How a site's update travels: a client mod that sends a top-k sparse delta instead of
+dense weights, and the server-side decoder that turns it back into dense weights.
+
+Site::   reply weights w_local  ->  delta = w_local - w_global  ->  ErrorFeedback.compress
+         -> encode -> ConfigRecord ``sparse-update`` (no ArrayRecord on the wire)
+Server:: decode against the w_global sent to that site -> ArrayRecord ``arrays`` =
+         w_global + delta, so every strategy (Flower's or fedind's) aggregates as usual.
+A payload that fails validation becomes an error reply with the reason: the strategy logs
+it and drops that site for the round; nothing of it reaches the model.
+
+The error-feedback residual is site state: it lives in the ClientApp's ``context.state``
+(kept by Flower across rounds for the life of the SuperNode). With ``topk-feedback =
+"estimate"`` (EF21) the site keeps an estimate of its update instead and sends the sparse
+change of it; the server keeps the same estimate (:class:`EstimateUplink`) and aggregates it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
+
+from .. import wire
+from .codec import (
+    ErrorFeedback,
+    EstimateFeedback,
+    PayloadError,
+    decayed,
+    decode,
+    encode,
+    estimate_token,
+    expected_of,
+    from_record,
+    to_record,
+    warmup_ratio,
+)
+from ..config import RunConfig
+
+RESIDUALS = "topk-residuals"  # context.state ArrayRecord: error-feedback residuals
+ESTIMATE = "topk-estimate"  # context.state ArrayRecord: the EF21 estimate of this site's update
+FEEDBACK_STATE = "topk-state"  # context.state ConfigRecord: the compressor's step counter
+REJECTED_PAYLOAD = wire.REJECTED_PAYLOAD  # the code's table: fedind.wire
+
+
+def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedback | EstimateFeedback:
+    if config.topk_feedback == "estimate":
+        feedback = EstimateFeedback(mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed,
+                                    decay=config.topk_estimate_decay)
+        if ESTIMATE in context.state:
+            estimate = {k: v.numpy() for k, v in context.state[ESTIMATE].items()}
+            feedback.load_state_dict({"estimate": estimate, "step": int(context.state[FEEDBACK_STATE]["step"])})
+        return feedback
+    feedback = ErrorFeedback(
+        mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed, decay=config.topk_residual_decay
+    )
+    if RESIDUALS in context.state:
+        residuals = {k: v.numpy() for k, v in context.state[RESIDUALS].items()}
+        feedback.load_state_dict({"residuals": residuals, "step": int(context.state[FEEDBACK_STATE]["step"])})
+    return feedback
+
+
+def _save_feedback(context: Context, feedback: ErrorFeedback | EstimateFeedback) -> None:
+    state = feedback.state_dict()
+    key, arrays = (ESTIMATE, state["estimate"]) if "estimate" in state else (RESIDUALS, state["residuals"])
+    context.state[key] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    context.state[FEEDBACK_STATE] = ConfigRecord({"step": int(state["step"])})
+
+
+def topk_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """Flower client mod: with ``compression = "topk"``, replace the train reply's dense
+    weights by the top-k sparse, quantised delta (with error feedback, or relative to the
+    EF21 estimate the server says it holds)."""
+    reply = call_next(msg, context)
+    if msg.metadata.message_type != MessageType.TRAIN or reply.has_error():
+        return reply
+    config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
+    if config.compression != "topk":
+        return reply
+    started = time.process_time()
+    sent, local = msg.content[wire.ARRAYS], reply.content[wire.ARRAYS]
+    delta = {name: local[name].numpy().astype(np.float32) - sent[name].numpy().astype(np.float32) for name in sent}
+    feedback = _load_feedback(context, config, seed=config.seed + int(context.node_id % 2**31))
+    server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
+    ratio = warmup_ratio(config.topk_ratio, server_round, config.topk_warmup_rounds)
+    content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})
+    if isinstance(feedback, EstimateFeedback):
+        held = msg.content.config_records.get(wire.TOPK_ESTIMATE, {}).get(wire.TOKEN, "")
+        sparse, base = feedback.compress(delta, ratio, server_token=str(held))
+        content[wire.TOPK_ESTIMATE] = ConfigRecord({wire.TOKEN: base})
+    else:
+        sparse = feedback.compress(delta, ratio)
+    _save_feedback(context, feedback)
+    content[wire.SPARSE_UPDATE] = to_record(encode(sparse))
+    content[wire.METRICS][wire.COMPRESS_SECONDS] = time.process_time() - started
+    return Message(content, reply_to=msg)
+
+
+def _rejected(instruction: Message, reason: str) -> Message:
+    return Message(Error(code=REJECTED_PAYLOAD, reason=f"rejected sparse update: {reason}"), reply_to=instruction)
+
+
+def _sent_change(instruction: Message, reply: Message) -> dict[str, np.ndarray]:
+    """The dense float32 arrays the reply's ``sparse-update`` payload carries, checked
+    against the global arrays sent to that site; PayloadError naming the fault."""
+    return decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(instruction.content[wire.ARRAYS]))
+
+
+def _with_weights(instruction: Message, reply: Message, delta: dict[str, np.ndarray], gain: float = 1.0) -> Message:
+    """``reply`` carrying dense ``arrays`` = the global weights sent plus ``gain * delta``,
+    in place of its sparse payload (and estimate token)."""
+    sent = {name: array.numpy() for name, array in instruction.content[wire.ARRAYS].items()}
+    scale = np.float32(gain)
+    dense = ArrayRecord({name: Array((base + scale * delta[name]).astype(base.dtype)) for name, base in sent.items()})
+    dropped = (wire.SPARSE_UPDATE, wire.TOPK_ESTIMATE)
+    content = RecordDict({name: record for name, record in reply.content.items() if name not in dropped})
+    content[wire.ARRAYS] = dense
+    return Message(content, reply_to=instruction)
+
+
+def densify_reply(instruction: Message, reply: Message, gain: float = 1.0) -> Message:
+    """Server side: a reply carrying ``sparse-update`` becomes one carrying dense ``arrays``
+    (the global weights sent to that site plus ``gain`` times the decoded delta, run
+    config ``topk-gain``); a malformed payload becomes an error reply naming the fault.
+    Other replies pass unchanged.
+
+    Why a gain: a top-k reply carries only part of the site's update each round; the rest
+    waits in its decaying residual and arrives rounds later or not at all, so training
+    advances more slowly than with dense updates under the same round budget. Scaling
+    every sparse delta alike is the same as a larger server learning rate for FedAvg-type
+    strategies, and works with any strategy (README, *Top-k sparse uplink*, has what it
+    measured)."""
+    if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
+        return reply
+    try:
+        delta = _sent_change(instruction, reply)
+    except PayloadError as err:
+        return _rejected(instruction, str(err))
+    return _with_weights(instruction, reply, delta, gain)
+
+
+class EstimateUplink:
+    """Server side of EF21 top-k (``topk-feedback = "estimate"``,
+    :class:`~fedind.topk.codec.EstimateFeedback`): one estimate of each site's update,
+    by node id.
+
+    - :meth:`prepare` (every outgoing train instruction): adds the token of the estimate
+      held for that node (``""``: none, the site starts from zeros);
+    - ``__call__`` (every reply, as :class:`~fedind.server.metering.MeteredGrid`'s transform):
+      decodes the payload, adds it to the estimate the site says it used (zeros or the one
+      held; any other base is rejected) and turns the reply into dense weights
+      ``global + estimate``;
+    - :meth:`settle` (after the round's screen): keeps the new estimates of accepted
+      replies, forgets those of rejected ones, so a site whose update was screened out
+      starts again from zeros next round rather than building on it.
+
+    Not in the server checkpoint: after a resume every site restarts from zeros (one
+    round of sparser, rougher estimates). Memory: one float32 model per site.
+    """
+
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = float(decay)  # EstimateFeedback's decay: the sites use the same
+        self.estimates: dict[int, dict[str, np.ndarray]] = {}
+        self._tokens: dict[int, str] = {}
+        self._pending: dict[int, dict[str, np.ndarray]] = {}
+
+    def prepare(self, message: Message) -> Message:
+        if message.metadata.message_type != MessageType.TRAIN or wire.ARRAYS not in message.content.array_records:
+            return message
+        token = self._tokens.get(message.metadata.dst_node_id, "")
+        # Strategies share one RecordDict between the round's messages: copy, then add.
+        content = RecordDict(dict(message.content.items()))
+        content[wire.TOPK_ESTIMATE] = ConfigRecord({wire.TOKEN: token})
+        message.content = content
+        return message
+
+    def __call__(self, instruction: Message, reply: Message) -> Message:
+        if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
+            return reply
+        node = instruction.metadata.dst_node_id
+        try:
+            change = _sent_change(instruction, reply)
+        except PayloadError as err:
+            self._forget(node)
+            return _rejected(instruction, str(err))
+        base = reply.content.config_records.get(wire.TOPK_ESTIMATE, {}).get(wire.TOKEN)
+        if base == "":
+            estimate = change
+        elif base is not None and base == self._tokens.get(node):
+            held = decayed(self.estimates[node], self.decay)
+            estimate = {name: held[name] + change[name] for name in change}
+        else:
+            held = self._tokens.get(node, "")
+            self._forget(node)
+            return _rejected(instruction, f"estimate base {base!r} is not the one held for this site ({held!r})")
+        self._pending[node] = estimate
+        return _with_weights(instruction, reply, estimate)
+
+    def settle(self, accepted: set[int]) -> None:
+        """Commit this round's estimates for the ``accepted`` node ids; drop the others'."""
+        for node, estimate in self._pending.items():
+            if node in accepted:
+                self.estimates[node], self._tokens[node] = estimate, estimate_token(estimate)
+            else:
+                self._forget(node)
+        self._pending = {}
+
+    def _forget(self, node: int) -> None:
+        self.estimates.pop(node, None)
+        self._tokens.pop(node, None)
