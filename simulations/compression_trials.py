@@ -55,16 +55,9 @@ from simulations.common import parse_overrides  # noqa: E402
 
 from fedind import wire  # noqa: E402
 from fedind.site.app import site_app  # noqa: E402
-from fedind.topk.codec import (  # noqa: E402
-    ErrorFeedback,
-    SparseTensor,
-    dequantise,
-    encode,
-    quantise,
-    to_record,
-    topk_indices,
-    warmup_ratio,
-)
+from fedind.topk.codec import encode, to_record  # noqa: E402
+from fedind.topk.feedback import ErrorFeedback  # noqa: E402
+from fedind.topk.selection import SparseTensor, dequantise, quantise, topk_indices, warmup_ratio  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.models import FaultCNN  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402

@@ -13,30 +13,29 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedind.topk.blocks import INDEX_RICE
 from fedind.topk.codec import (
-    INDEX_RICE,
     MAGIC,
-    MODES,
-    THRESHOLDS,
     VERSION,
     VERSIONS,
-    ErrorFeedback,
-    EstimateFeedback,
     PayloadError,
-    SparseTensor,
     decode,
-    decayed,
     dense_size_bytes,
-    dequantise,
     encode,
     encoded_size,
-    estimate_token,
     expected_of,
     from_record,
     layout_fingerprint,
+    to_record,
+)
+from fedind.topk.feedback import ErrorFeedback, EstimateFeedback, decayed, estimate_token
+from fedind.topk.selection import (
+    MODES,
+    THRESHOLDS,
+    SparseTensor,
+    dequantise,
     quantise,
     sampled_topk_indices,
-    to_record,
     topk_indices,
     warmup_ratio,
 )

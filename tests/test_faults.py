@@ -45,16 +45,9 @@ from safetensors.numpy import load_file
 
 from fedind import wire
 from fedind.site import app as agent
-from fedind.topk.codec import (
-    ErrorFeedback,
-    PayloadError,
-    SparseTensor,
-    decode,
-    encode,
-    expected_of,
-    layout_fingerprint,
-    to_record,
-)
+from fedind.topk.codec import PayloadError, decode, encode, expected_of, layout_fingerprint, to_record
+from fedind.topk.feedback import ErrorFeedback
+from fedind.topk.selection import SparseTensor
 from fedind.config import RunConfig
 from deploy_harness import BIN
 from fedind.server.metering import MeteredGrid

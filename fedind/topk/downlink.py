@@ -31,7 +31,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
 
 from .. import wire
-from .codec import ErrorFeedback, PayloadError, decode, encode, expected_of, from_record, to_record
+from .codec import PayloadError, decode, encode, expected_of, from_record, to_record
+from .feedback import ErrorFeedback
 from ..config import RunConfig
 
 STALE_DOWNLINK = wire.STALE_DOWNLINK  # the code's table: fedind.wire

@@ -23,19 +23,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
 
 from .. import wire
-from .codec import (
-    ErrorFeedback,
-    EstimateFeedback,
-    PayloadError,
-    decayed,
-    decode,
-    encode,
-    estimate_token,
-    expected_of,
-    from_record,
-    to_record,
-    warmup_ratio,
-)
+from .codec import PayloadError, decode, encode, expected_of, from_record, to_record
+from .feedback import ErrorFeedback, EstimateFeedback, decayed, estimate_token
+from .selection import warmup_ratio
 from ..config import RunConfig
 
 RESIDUALS = "topk-residuals"  # context.state ArrayRecord: error-feedback residuals
@@ -142,7 +132,7 @@ def densify_reply(instruction: Message, reply: Message, gain: float = 1.0) -> Me
 
 class EstimateUplink:
     """Server side of EF21 top-k (``topk-feedback = "estimate"``,
-    :class:`~fedind.topk.codec.EstimateFeedback`): one estimate of each site's update,
+    :class:`~fedind.topk.feedback.EstimateFeedback`): one estimate of each site's update,
     by node id.
 
     - :meth:`prepare` (every outgoing train instruction): adds the token of the estimate
