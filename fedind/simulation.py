@@ -23,7 +23,7 @@ from flwr.simulation import run_simulation
 from .site.app import app as site_app
 from .config import RunConfig
 from .loopback import LoopbackGrid, task_identity
-from .server.encrypted import provision_simulation_keys
+from .paillier.keys import generate_keypair, save_keypair
 from .server.app import federation_shape, run_server
 
 REPLY_POLL_SECONDS = 0.01
@@ -117,3 +117,17 @@ def _with_keys(config: RunConfig) -> RunConfig:
         # A throwaway key pair in the run folder: the server gets the .pub, the sites the .key.
         config = provision_simulation_keys(config, Path(config.run_dir) / config.run_name)
     return config
+
+
+def provision_simulation_keys(config: RunConfig, folder: Path) -> RunConfig:
+    """In-process simulation without key files: a throwaway pair of ``paillier-key-bits`` in
+    ``folder/keys`` (private 0600). The server gets the public file, the sites the private
+    one; nothing else ever sees or keeps the pair."""
+    keys = Path(folder) / "keys"
+    keys.mkdir(parents=True, exist_ok=True)
+    private, public = keys / "paillier.key", keys / "paillier.pub"
+    for path in (private, public):
+        if path.exists():
+            path.unlink()
+    save_keypair(generate_keypair(config.paillier_key_bits), private, public)
+    return replace(config, paillier_public_key=str(public), paillier_private_key=str(private))

@@ -14,7 +14,7 @@ AGGREGATE = "aggregate"  # ArrayRecord: decrypting site -> server, the decrypted
 # Error codes of site replies (Flower's ``Error.code``; Flower's own are below 1000), each distinct
 REJECTED_PAYLOAD = 1001  # the server could not decode a sparse (top-k) payload
 REJECTED_CIPHERTEXT = 1002  # the server refused an encrypted payload (fedind.server.encrypted)
-SITE_KEY_MISSING = 1003  # a site cannot load its private key (fedind.server.encrypted)
+SITE_KEY_MISSING = 1003  # a site cannot load its private key (fedind.paillier.site)
 STALE_DOWNLINK = 1004  # a site does not hold the base a downlink step refers to (fedind.topk.downlink)
 REJECTED_UPDATE = 1005  # the server screened a train reply out (fedind.server.screening)
 SITE_ABSENT = 1006  # a simulated line off the network (simulations/)

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.common import parse_overrides  # noqa: E402
 
-from fedind.paillier import packing  # noqa: E402
+from fedind.paillier import keys, packing  # noqa: E402
 from fedind.config import RunConfig  # noqa: E402
 from fedind.data.sources import site_from_partition  # noqa: E402
 from fedind.server.metering import payload_bytes  # noqa: E402
@@ -80,7 +80,7 @@ def cpu(fn, *args):
     return out, time.process_time() - started
 
 
-def naive(key: packing.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, sample: int) -> dict:
+def naive(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, sample: int) -> dict:
     """phe per value, on the first ``sample`` parameters of every site; seconds per parameter."""
     pub, priv = key.phe.public_key, key.phe
     values = [d[:sample] for d in deltas]
@@ -101,7 +101,7 @@ def naive(key: packing.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray
     }
 
 
-def packed(key: packing.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, clip: float) -> dict:
+def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, clip: float) -> dict:
     from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
     count, sites = deltas[0].size, len(deltas)
@@ -310,7 +310,7 @@ def main(argv: list[str]) -> None:
     n = np.array([site_from_partition(base.federation_spec(), "", i, base.num_sites).train.num_examples
                   for i in range(base.num_sites)], dtype=np.float64)
     weights = n / n.sum()
-    key, t_key = cpu(packing.generate_keypair, args.bits)
+    key, t_key = cpu(keys.generate_keypair, args.bits)
     results = {
         "config": base.to_flower(),
         "key_bits": key.public.bits,

@@ -26,13 +26,14 @@ RAY_ENCRYPTED = dict(  # tests/test_secure.py::test_simulation_end_to_end_withou
 
 
 def main(out: Path) -> None:
-    from fedind.paillier import packing
+    from fedind.paillier import keys as paillier_keys
     from fedind.config import RunConfig
     from fedind.simulation import simulate_many
 
     run_dir, keys = out / "runs", out / "keys"
     keys.mkdir(parents=True, exist_ok=True)
-    packing.save_keypair(packing.generate_keypair(512), keys / "paillier.key", keys / "paillier.pub")
+    key = paillier_keys.generate_keypair(512)
+    paillier_keys.save_keypair(key, keys / "paillier.key", keys / "paillier.pub")
     topk = RunConfig(**RAY_TOPK, run_dir=str(run_dir))
     configs = {
         "first": replace(topk, run_name="first"),
@@ -48,8 +49,8 @@ def main(out: Path) -> None:
         loads.append(repr(args))
         raise AssertionError("the server process touched a Paillier private key")
 
-    packing.load_private_key = forbidden
-    packing.PrivateKey.__init__ = forbidden
+    paillier_keys.load_private_key = forbidden
+    paillier_keys.PrivateKey.__init__ = forbidden
     summaries = simulate_many(list(configs.values()), runtime="ray")
     result = {
         **dict(zip(configs, summaries)),

@@ -1,4 +1,5 @@
-"""Paillier maths (fedind.paillier.packing): packing, weighted sums, bounds, payload validation, keys.
+"""Paillier maths (fedind.paillier.keys, fedind.paillier.packing): keys, packing, weighted sums, bounds,
+payload validation.
 
 Real Paillier ciphertexts throughout, with small keys (512 / 1024 bits) to stay fast.
 """
@@ -14,28 +15,30 @@ import gmpy2
 import numpy as np
 import pytest
 
-from fedind.paillier import packing
+from fedind.paillier import keys, packing
 from fedind.cli.main import main as cli_main
 from fedind.config import ConfigError, RunConfig
+from fedind.paillier.keys import (
+    SLOT_BITS,
+    KeyFileError,
+    PublicKey,
+    load_private_key,
+    load_public_key,
+    save_keypair,
+)
 from fedind.paillier.packing import (
     MAX_SITES,
-    SLOT_BITS,
     VALUE_BITS,
     VALUE_MAX,
     CiphertextError,
-    KeyFileError,
     ObfuscatorPool,
-    PublicKey,
     decrypt_sum,
     encrypt_levels,
     integer_weights,
-    load_private_key,
-    load_public_key,
     pack,
     parse_record,
     quantisation_bound,
     quantise,
-    save_keypair,
     unpack,
     weighted_sum,
 )
@@ -43,12 +46,12 @@ from fedind.paillier.packing import (
 
 @pytest.fixture(scope="module")
 def key():
-    return packing.generate_keypair(1024)
+    return keys.generate_keypair(1024)
 
 
 @pytest.fixture(scope="module")
 def other_key():
-    return packing.generate_keypair(512)
+    return keys.generate_keypair(512)
 
 
 def encrypt(values, key, clip=1.0):
@@ -205,7 +208,7 @@ def textbook_decrypt(key, c: int) -> int:
 
 
 def test_crt_short_exponent_decryption_equals_the_plain_one(key):
-    assert key.short_exponents and key.order_p.bit_length() == packing.ORDER_BITS
+    assert key.short_exponents and key.order_p.bit_length() == keys.ORDER_BITS
     assert (key.p - 1) % key.order_p == 0 and (key.q - 1) % key.order_q == 0
     n = key.public.n
     plaintexts = [0, 1, n - 1, 2 ** (key.public.slots * SLOT_BITS) - 1] + [secrets_below(n) for _ in range(20)]
@@ -223,7 +226,7 @@ def test_a_key_without_subgroups_still_encrypts_and_decrypts(key):
 
     _, phe_private = paillier.generate_paillier_keypair(n_length=512)
     try:
-        plain_key = packing.PrivateKey(phe_private.p, phe_private.q)
+        plain_key = keys.PrivateKey(phe_private.p, phe_private.q)
     except KeyFileError:
         pytest.skip("phe drew primes without the CRT condition")
     assert not plain_key.short_exponents
@@ -356,7 +359,7 @@ def test_key_files_keep_the_subgroup_orders(tmp_path, key):
     body = json.loads((tmp_path / "k.pub").read_text())
     assert set(body) == {"format", "version", "fingerprint", "n"}  # the orders never reach the server
     with pytest.raises(KeyFileError, match="prime factor of p-1"):
-        packing.PrivateKey(key.p, key.q, key.order_p + 2, key.order_q)
+        keys.PrivateKey(key.p, key.q, key.order_p + 2, key.order_q)
 
 
 def test_crt_obfuscators_are_nth_residues(key):
@@ -405,12 +408,12 @@ def test_private_key_readable_by_others_is_refused(tmp_path, key):
 def test_sealed_private_key_needs_the_passphrase(tmp_path, key, monkeypatch):
     save_keypair(key, tmp_path / "k", tmp_path / "k.pub", passphrase="correct horse")
     assert '"p"' not in (tmp_path / "k").read_text()
-    monkeypatch.delenv(packing.PASSPHRASE_ENV, raising=False)
+    monkeypatch.delenv(keys.PASSPHRASE_ENV, raising=False)
     with pytest.raises(KeyFileError, match="sealed with a passphrase; set FEDIND_PAILLIER_PASSPHRASE"):
         load_private_key(tmp_path / "k")
     with pytest.raises(KeyFileError, match="wrong passphrase"):
         load_private_key(tmp_path / "k", passphrase="wrong")
-    monkeypatch.setenv(packing.PASSPHRASE_ENV, "correct horse")
+    monkeypatch.setenv(keys.PASSPHRASE_ENV, "correct horse")
     assert load_private_key(tmp_path / "k").public == key.public
 
 

@@ -52,7 +52,7 @@ from fedind.config import RunConfig
 from deploy_harness import BIN
 from fedind.server.metering import MeteredGrid
 from fedind.server.screening import UpdateScreen
-from fedind.server.encrypted import decrypt_query, paillier_mod
+from fedind.paillier.site import decrypt_query, paillier_mod
 from fedind.simulation import simulate
 from fedind.site.state import state_mod
 from fedind.topk.uplink import topk_mod

@@ -62,11 +62,13 @@ def test_replies_come_back_in_site_order_whatever_the_arrival_order():
 
 def test_every_fedind_error_code_is_distinct_and_above_flowers():
     """One table (fedind.wire): a reply's code names one cause."""
+    from fedind.paillier import site
     from fedind.server import encrypted, screening
     from fedind.topk import downlink, uplink
 
     codes = [wire.REJECTED_PAYLOAD, wire.REJECTED_CIPHERTEXT, wire.SITE_KEY_MISSING, wire.STALE_DOWNLINK,
              wire.REJECTED_UPDATE, wire.SITE_ABSENT]
     assert len(set(codes)) == len(codes) == len(wire.ERROR_CODES) and min(codes) > 1000
-    assert (uplink.REJECTED_PAYLOAD, encrypted.REJECTED_CIPHERTEXT, encrypted.SITE_KEY_MISSING, downlink.STALE_DOWNLINK,
+    assert (uplink.REJECTED_PAYLOAD, encrypted.REJECTED_CIPHERTEXT, site.SITE_KEY_MISSING, downlink.STALE_DOWNLINK,
             screening.REJECTED_UPDATE) == tuple(codes[:5])
+    assert site.REJECTED_CIPHERTEXT == encrypted.REJECTED_CIPHERTEXT

@@ -1,5 +1,5 @@
-"""Encrypted aggregation in Flower (fedind.server.encrypted): the site mod, the decrypt query, the
-server's reply check and the SecureAggregation wrapper, with real Paillier ciphertexts.
+"""Encrypted aggregation in Flower (fedind.paillier.site, fedind.server.encrypted): the site mod, the
+decrypt query, the server's reply check and the SecureAggregation wrapper, with real Paillier ciphertexts.
 
 Rounds run through a fake Grid that hands each message to the site-side code (the mod with a
 stand-in for training, or the query handler). A guard makes any construction of a private
@@ -18,18 +18,12 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from fedind import wire
-from fedind.paillier import packing
+from fedind.paillier import keys, packing
 from fedind.aggregation import GlobalHistogram, dwa_weights
 from fedind.config import ConfigError, RunConfig
 from fedind.server.metering import MeteredGrid
-from fedind.server.encrypted import (
-    REJECTED_CIPHERTEXT,
-    SITE_KEY_MISSING,
-    SecureAggregation,
-    decrypt_query,
-    encrypted_server,
-    paillier_mod,
-)
+from fedind.paillier.site import SITE_KEY_MISSING, decrypt_query, paillier_mod
+from fedind.server.encrypted import REJECTED_CIPHERTEXT, SecureAggregation, encrypted_server
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -40,8 +34,8 @@ CLIP = 0.5
 @pytest.fixture(scope="module")
 def key_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("keys")
-    key = packing.generate_keypair(512)
-    packing.save_keypair(key, folder / "paillier.key", folder / "paillier.pub")
+    key = keys.generate_keypair(512)
+    keys.save_keypair(key, folder / "paillier.key", folder / "paillier.pub")
     return key, folder / "paillier.key", folder / "paillier.pub"
 
 
@@ -50,7 +44,7 @@ def site_side(monkeypatch, key_files):
     """A switch: private keys may be built / read only while ``state["site"]`` is True."""
     _, private_path, _ = key_files
     state = {"site": False}
-    original_init, original_read = packing.PrivateKey.__init__, packing._read_key_file
+    original_init, original_read = keys.PrivateKey.__init__, keys._read_key_file
 
     def guarded_init(self, p, q, *orders):
         if not state["site"]:
@@ -62,8 +56,8 @@ def site_side(monkeypatch, key_files):
             raise AssertionError("the server side read the private key file")
         return original_read(path)
 
-    monkeypatch.setattr(packing.PrivateKey, "__init__", guarded_init)
-    monkeypatch.setattr(packing, "_read_key_file", guarded_read)
+    monkeypatch.setattr(keys.PrivateKey, "__init__", guarded_init)
+    monkeypatch.setattr(keys, "_read_key_file", guarded_read)
     return state
 
 
@@ -299,7 +293,7 @@ def test_an_overflowing_site_makes_the_decrypting_site_refuse_and_the_round_is_s
         site_side["site"] = False
         n, n2 = key.public.n, key.public.n_square
         record = reply.content[wire.ENCRYPTED_UPDATE]
-        m = 1 << (key.public.slots * packing.SLOT_BITS)
+        m = 1 << (key.public.slots * keys.SLOT_BITS)
         forged = ((1 + m * n) * r % n2).to_bytes(key.public.ciphertext_bytes, "big")
         record["ciphertexts"] = forged + record["ciphertexts"][len(forged):]
         return reply
@@ -393,8 +387,8 @@ def test_simulation_end_to_end_without_the_server_loading_the_private_key(ray_ru
     """The ServerApp runs in one process, the sites in Ray workers: with private keys
     forbidden in the ServerApp's process, the run still aggregates every round. (The run
     is one of the suite's single Ray start, ``ray_runs["encrypted"]``: tests/ray_batch.py,
-    whose process is the ServerApp's and forbids ``packing.load_private_key`` and
-    ``packing.PrivateKey.__init__`` while Ray runs.)"""
+    whose process is the ServerApp's and forbids ``keys.load_private_key`` and
+    ``keys.PrivateKey.__init__`` while Ray runs.)"""
     config = ray_runs["configs"]["encrypted"]
     assert (config.strategy, config.encryption, config.num_server_rounds, config.num_sites) == ("dwa", "paillier", 2, 3)
     assert ray_runs["private_key_loads"] == []

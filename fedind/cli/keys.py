@@ -16,7 +16,8 @@ import argparse
 import os
 from pathlib import Path
 
-from ..paillier.packing import MAX_SITES, PASSPHRASE_ENV, generate_keypair, save_keypair
+from ..paillier.keys import PASSPHRASE_ENV, generate_keypair, save_keypair
+from ..paillier.packing import MAX_SITES
 
 PRIVATE_FILE = "paillier.key"
 PUBLIC_FILE = "paillier.pub"

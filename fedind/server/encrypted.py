@@ -1,5 +1,6 @@
-"""Paillier-encrypted aggregation in Flower: a client mod, a decrypt-query handler, the
-server-side reply check and a Strategy wrapper. The maths is :mod:`fedind.paillier.packing`.
+"""Paillier-encrypted aggregation in Flower, the server's half: the reply check and a Strategy
+wrapper. The site's half (client mod, decrypt-query handler) is :mod:`fedind.paillier.site`;
+the maths is :mod:`fedind.paillier.packing`.
 
 One round with ``encryption = "paillier"``::
 
@@ -18,21 +19,19 @@ One round with ``encryption = "paillier"``::
             the weighted scalar metrics -> the inner strategy's aggregate_train (server
             momentum, FedAdam, DWA's momentum restart all act on the aggregate as usual)
 
-The server never loads a private key (:func:`fedind.paillier.packing.load_public_key` refuses one);
+The server never loads a private key (:func:`fedind.paillier.keys.load_public_key` refuses one);
 it learns the round's weighted mean update, never a single site's. An aggregate of fewer
 than two sites is not decrypted (it would be that site's update).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from logging import INFO, WARNING
-from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -41,112 +40,24 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from .. import wire
 from ..aggregation import GlobalHistogram, dwa_weights
 from ..config import DWA_STRATEGIES, ConfigError, RunConfig
+from ..paillier.keys import KeyFileError, PublicKey, load_public_key
 from ..paillier.packing import (
     MAX_SITES,
+    MIN_SITES,
     CiphertextError,
     EncryptedVector,
-    KeyFileError,
-    ObfuscatorPool,
-    PrivateKey,
-    PublicKey,
-    decrypt_sum,
-    encrypt_levels,
-    generate_keypair,
     integer_weights,
-    load_private_key,
-    load_public_key,
     parse_record,
-    quantise,
-    save_keypair,
     weighted_sum,
 )
+from ..paillier.site import model_size
 from .metering import PerReply, site_id_of
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .screening import InvalidUpdate as InvalidReply
 from .screening import check_histogram
 
-PRIVATE_KEY_NODE_CONFIG = "paillier-private-key"  # node config: this site's private key file
 REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
-SITE_KEY_MISSING = wire.SITE_KEY_MISSING  # the code's table: fedind.wire
-MIN_SITES = 2  # an aggregate of fewer sites would be one site's update
 DECRYPT_ATTEMPTS = 3  # sites asked in turn when a decrypt query fails
-
-
-# --------------------------------------------------------------------------- site
-
-
-def site_private_key(context: Context, config: RunConfig) -> PrivateKey:
-    """The site's key: node config ``paillier-private-key``, else run config's path."""
-    path = str(context.node_config.get(PRIVATE_KEY_NODE_CONFIG, "") or config.paillier_private_key)
-    if not path:
-        raise KeyFileError(
-            "encryption = 'paillier' but this site has no private key: set node config "
-            f"{PRIVATE_KEY_NODE_CONFIG}='/path/paillier.key' (or run config paillier-private-key)"
-        )
-    return load_private_key(path)
-
-
-def flat_delta(sent: Mapping, local: Mapping) -> np.ndarray:
-    """``local - sent`` of every array, sorted by name, flattened (float64)."""
-    return np.concatenate(
-        [
-            (np.asarray(local[name].numpy(), np.float64) - np.asarray(sent[name].numpy(), np.float64)).ravel()
-            for name in sorted(sent)
-        ]
-    )
-
-
-def model_size(arrays: Mapping) -> int:
-    return int(sum(int(np.prod(a.shape)) for a in arrays.values()))
-
-
-def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
-    """Flower client mod: with ``encryption = "paillier"`` the train reply's weights become
-    the encrypted, packed delta (obfuscators are drawn while the site trains)."""
-    if msg.metadata.message_type != MessageType.TRAIN:
-        return call_next(msg, context)
-    config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
-    if config.encryption != "paillier":
-        return call_next(msg, context)
-    try:
-        key = site_private_key(context, config)
-    except KeyFileError as err:
-        return Message(Error(code=SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
-    sent = msg.content[wire.ARRAYS]
-    pool = ObfuscatorPool(key)
-    pool.fill_async(key.public.num_ciphertexts(model_size(sent)))
-    reply = call_next(msg, context)
-    if reply.has_error():
-        pool.wait()
-        return reply
-    started = time.perf_counter()
-    levels, clipped = quantise(flat_delta(sent, reply.content[wire.ARRAYS]), config.paillier_clip)
-    vector = encrypt_levels(levels, key, config.paillier_clip, pool)
-    content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})
-    content[wire.ENCRYPTED_UPDATE] = ConfigRecord(vector.to_config(key.public))
-    content[wire.METRICS][wire.ENCRYPT_SECONDS] = time.perf_counter() - started
-    content[wire.METRICS][wire.CLIPPED_VALUES] = clipped
-    return Message(content, reply_to=msg)
-
-
-def decrypt_query(msg: Message, context: Context) -> Message:
-    """ClientApp query handler: decrypt the server's ``encrypted-aggregate`` and return the
-    weighted mean delta as ArrayRecord ``aggregate`` (``{"mean": float32 [count]}``)."""
-    config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
-    try:
-        key = site_private_key(context, config)
-        record = msg.content.config_records.get(wire.ENCRYPTED_AGGREGATE)
-        if record is None:
-            raise CiphertextError(f"query without a {wire.ENCRYPTED_AGGREGATE!r} record")
-        aggregate = parse_record(record, key.public, kind="aggregate", clip=config.paillier_clip)
-        if aggregate.sites < MIN_SITES:  # defence in depth: it would be one site's update
-            raise CiphertextError(f"an aggregate of {aggregate.sites} site(s) is not decrypted (minimum {MIN_SITES})")
-        mean = decrypt_sum(aggregate, key)
-    except KeyFileError as err:
-        return Message(Error(code=SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
-    except CiphertextError as err:
-        return Message(Error(code=REJECTED_CIPHERTEXT, reason=f"refused to decrypt the aggregate: {err}"), reply_to=msg)
-    return Message(RecordDict({wire.AGGREGATE: ArrayRecord({"mean": Array(mean)})}), reply_to=msg)
 
 
 # --------------------------------------------------------------------------- server
@@ -430,18 +341,3 @@ def encrypted_server(
         inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes
     )
     return strategy, PerReply(check_encrypted_reply(key, config.paillier_clip))
-
-
-def provision_simulation_keys(config: RunConfig, folder: Path) -> RunConfig:
-    """In-process simulation without key files: a throwaway pair of ``paillier-key-bits`` in
-    ``folder/keys`` (private 0600). The server gets the public file, the sites the private
-    one; nothing else ever sees or keeps the pair."""
-    keys = Path(folder) / "keys"
-    keys.mkdir(parents=True, exist_ok=True)
-    private, public = keys / "paillier.key", keys / "paillier.pub"
-    for path in (private, public):
-        if path.exists():
-            path.unlink()
-    save_keypair(generate_keypair(config.paillier_key_bits), private, public)
-    return replace(config, paillier_public_key=str(public), paillier_private_key=str(private))
-

@@ -249,19 +249,19 @@ def phase_end(msg: Message, context: Context) -> Message:
 
 
 def paillier_mod(msg: Message, context: Context, call_next) -> Message:
-    """:func:`fedind.server.encrypted.paillier_mod` for a train message with ``encryption =
+    """:func:`fedind.paillier.site.paillier_mod` for a train message with ``encryption =
     "paillier"``; any other message passes without importing the crypto stack (phe,
     cryptography, the server's strategies): Flower starts a fresh process per message."""
     if msg.metadata.message_type == MessageType.TRAIN and run_config_of(msg).encryption == "paillier":
-        from ..server.encrypted import paillier_mod as encrypting
+        from ..paillier.site import paillier_mod as encrypting
 
         return encrypting(msg, context, call_next)
     return call_next(msg, context)
 
 
 def decrypt_query(msg: Message, context: Context) -> Message:
-    """:func:`fedind.server.encrypted.decrypt_query`, imported when a query asks for it."""
-    from ..server.encrypted import decrypt_query as decrypt
+    """:func:`fedind.paillier.site.decrypt_query`, imported when a query asks for it."""
+    from ..paillier.site import decrypt_query as decrypt
 
     return decrypt(msg, context)
 

@@ -1,0 +1,104 @@
+"""Paillier-encrypted aggregation at the site: the client mod that sends the encrypted,
+packed delta instead of weights, and the query handler that decrypts the round's weighted
+sum. The round and the server's half: :mod:`fedind.server.encrypted`; the maths:
+:mod:`fedind.paillier.packing`; the key files: :mod:`fedind.paillier.keys`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
+
+from .. import wire
+from ..config import RunConfig
+from .keys import KeyFileError, PrivateKey, load_private_key
+from .packing import (
+    MIN_SITES,
+    CiphertextError,
+    ObfuscatorPool,
+    decrypt_sum,
+    encrypt_levels,
+    parse_record,
+    quantise,
+)
+
+PRIVATE_KEY_NODE_CONFIG = "paillier-private-key"  # node config: this site's private key file
+REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
+SITE_KEY_MISSING = wire.SITE_KEY_MISSING  # the code's table: fedind.wire
+
+
+def site_private_key(context: Context, config: RunConfig) -> PrivateKey:
+    """The site's key: node config ``paillier-private-key``, else run config's path."""
+    path = str(context.node_config.get(PRIVATE_KEY_NODE_CONFIG, "") or config.paillier_private_key)
+    if not path:
+        raise KeyFileError(
+            "encryption = 'paillier' but this site has no private key: set node config "
+            f"{PRIVATE_KEY_NODE_CONFIG}='/path/paillier.key' (or run config paillier-private-key)"
+        )
+    return load_private_key(path)
+
+
+def flat_delta(sent: Mapping, local: Mapping) -> np.ndarray:
+    """``local - sent`` of every array, sorted by name, flattened (float64)."""
+    return np.concatenate(
+        [
+            (np.asarray(local[name].numpy(), np.float64) - np.asarray(sent[name].numpy(), np.float64)).ravel()
+            for name in sorted(sent)
+        ]
+    )
+
+
+def model_size(arrays: Mapping) -> int:
+    return int(sum(int(np.prod(a.shape)) for a in arrays.values()))
+
+
+def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """Flower client mod: with ``encryption = "paillier"`` the train reply's weights become
+    the encrypted, packed delta (obfuscators are drawn while the site trains)."""
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, context)
+    config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
+    if config.encryption != "paillier":
+        return call_next(msg, context)
+    try:
+        key = site_private_key(context, config)
+    except KeyFileError as err:
+        return Message(Error(code=SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+    sent = msg.content[wire.ARRAYS]
+    pool = ObfuscatorPool(key)
+    pool.fill_async(key.public.num_ciphertexts(model_size(sent)))
+    reply = call_next(msg, context)
+    if reply.has_error():
+        pool.wait()
+        return reply
+    started = time.perf_counter()
+    levels, clipped = quantise(flat_delta(sent, reply.content[wire.ARRAYS]), config.paillier_clip)
+    vector = encrypt_levels(levels, key, config.paillier_clip, pool)
+    content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})
+    content[wire.ENCRYPTED_UPDATE] = ConfigRecord(vector.to_config(key.public))
+    content[wire.METRICS][wire.ENCRYPT_SECONDS] = time.perf_counter() - started
+    content[wire.METRICS][wire.CLIPPED_VALUES] = clipped
+    return Message(content, reply_to=msg)
+
+
+def decrypt_query(msg: Message, context: Context) -> Message:
+    """ClientApp query handler: decrypt the server's ``encrypted-aggregate`` and return the
+    weighted mean delta as ArrayRecord ``aggregate`` (``{"mean": float32 [count]}``)."""
+    config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
+    try:
+        key = site_private_key(context, config)
+        record = msg.content.config_records.get(wire.ENCRYPTED_AGGREGATE)
+        if record is None:
+            raise CiphertextError(f"query without a {wire.ENCRYPTED_AGGREGATE!r} record")
+        aggregate = parse_record(record, key.public, kind="aggregate", clip=config.paillier_clip)
+        if aggregate.sites < MIN_SITES:  # defence in depth: it would be one site's update
+            raise CiphertextError(f"an aggregate of {aggregate.sites} site(s) is not decrypted (minimum {MIN_SITES})")
+        mean = decrypt_sum(aggregate, key)
+    except KeyFileError as err:
+        return Message(Error(code=SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+    except CiphertextError as err:
+        return Message(Error(code=REJECTED_CIPHERTEXT, reason=f"refused to decrypt the aggregate: {err}"), reply_to=msg)
+    return Message(RecordDict({wire.AGGREGATE: ArrayRecord({"mean": Array(mean)})}), reply_to=msg)
