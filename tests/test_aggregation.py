@@ -5,16 +5,18 @@ import json
 import numpy as np
 import pytest
 
-from fedind.aggregation import (
-    GlobalHistogram,
+from fedind.aggregation.conflicts import (
     MomentumBuffer,
-    class_row_scales,
     conflict_aware_aggregate,
+    sign_agreement,
+    split_conflicts,
+)
+from fedind.aggregation.weighting import (
+    GlobalHistogram,
+    class_row_scales,
     dwa_weights,
     kl_divergence,
     scale_rows,
-    sign_agreement,
-    split_conflicts,
 )
 
 # --------------------------------------------------------------------------- kl_divergence
@@ -368,7 +370,7 @@ def test_aggregate_rejects_mismatched_inputs():
 
 
 def test_agreement_gain_formula_and_edges():
-    from fedind.aggregation import agreement_gain
+    from fedind.aggregation.conflicts import agreement_gain
 
     a = np.array([0.0, 0.15, 0.3, 0.9])
     np.testing.assert_allclose(agreement_gain(a, 0.3, 0.5), [0.5, 0.75, 1.0, 1.0])
@@ -381,7 +383,7 @@ def test_agreement_gain_formula_and_edges():
 
 
 def test_restart_momentum_without_restart_is_heavy_ball():
-    from fedind.aggregation import RestartMomentum, heavy_ball
+    from fedind.aggregation.conflicts import RestartMomentum, heavy_ball
 
     rng = np.random.default_rng(0)
     ours, theirs = RestartMomentum(beta=0.9, restart=False), heavy_ball(0.9)
@@ -394,7 +396,7 @@ def test_restart_momentum_without_restart_is_heavy_ball():
 
 
 def test_restart_momentum_drops_momentum_that_opposes_the_aggregate():
-    from fedind.aggregation import RestartMomentum
+    from fedind.aggregation.conflicts import RestartMomentum
 
     m = RestartMomentum(beta=0.5, lr_scale=2.0)
     np.testing.assert_allclose(m.step({"w": np.array([1.0, 1.0, 0.0])})["w"], [2.0, 2.0, 0.0])
@@ -416,7 +418,7 @@ def test_restart_momentum_drops_momentum_that_opposes_the_aggregate():
 
 
 def test_conflict_momentum_aggregate_oracle():
-    from fedind.aggregation import RestartMomentum, conflict_momentum_aggregate
+    from fedind.aggregation.conflicts import RestartMomentum, conflict_momentum_aggregate
 
     # coordinate 0: both sites +1 (agreement 1); coordinate 1: +1 vs -3 (agreement 0, mean -1)
     deltas = [{"w": np.array([1.0, 1.0], np.float32)}, {"w": np.array([1.0, -3.0], np.float32)}]
@@ -436,7 +438,7 @@ def test_conflict_momentum_aggregate_oracle():
 
 
 def test_heavy_ball_is_fedavgm_momentum():
-    from fedind.aggregation import heavy_ball
+    from fedind.aggregation.conflicts import heavy_ball
 
     buffer = heavy_ball(0.5)
     np.testing.assert_allclose(buffer.step({"w": np.array([1.0])})["w"], [1.0])  # v1 = 1
@@ -445,7 +447,7 @@ def test_heavy_ball_is_fedavgm_momentum():
 
 
 def test_restart_only_where_the_sites_agree():
-    from fedind.aggregation import RestartMomentum
+    from fedind.aggregation.conflicts import RestartMomentum
 
     m = RestartMomentum(beta=0.5, restart_agreement=0.6)
     m.step({"w": np.array([1.0, 1.0])})
@@ -461,7 +463,7 @@ def test_restart_only_where_the_sites_agree():
 
 
 def test_conflict_momentum_aggregate_gates_the_restart_by_the_sites_agreement():
-    from fedind.aggregation import RestartMomentum, conflict_momentum_aggregate
+    from fedind.aggregation.conflicts import RestartMomentum, conflict_momentum_aggregate
 
     m = RestartMomentum(beta=0.5, restart_agreement=0.9)
     first = [{"w": np.array([1.0, 1.0])}, {"w": np.array([1.0, 1.0])}]

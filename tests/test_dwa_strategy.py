@@ -19,7 +19,8 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedind import wire
-from fedind.aggregation import GlobalHistogram, RestartMomentum, dwa_weights
+from fedind.aggregation.conflicts import RestartMomentum
+from fedind.aggregation.weighting import GlobalHistogram, dwa_weights
 from fedind.config import RunConfig
 from fedind.server.strategies import build_strategy
 from fedind.server.dwa import DWA
@@ -570,7 +571,7 @@ def test_server_momentum_without_conflict_buffer_is_flowers_fedavgm():
 
 def test_conflict_aware_server_momentum_is_one_restarting_buffer():
     """conflict buffer + server momentum: RestartMomentum over every coordinate."""
-    from fedind.aggregation import RestartMomentum, agreement_gain, sign_agreement
+    from fedind.aggregation.conflicts import RestartMomentum, agreement_gain, sign_agreement
 
     strategy = dwa(weighting=False, conflict_buffer=True, threshold=0.5, server_momentum=0.5, conflict_damping=0.2)
     assert isinstance(strategy.server_buffer, RestartMomentum)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedind.aggregation import kl_divergence
+from fedind.aggregation.weighting import kl_divergence
 from fedind.data.federation import (
     FederationSpec,
     make_global_test,

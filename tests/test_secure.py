@@ -19,7 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 
 from fedind import wire
 from fedind.paillier import keys, packing
-from fedind.aggregation import GlobalHistogram, dwa_weights
+from fedind.aggregation.weighting import GlobalHistogram, dwa_weights
 from fedind.config import ConfigError, RunConfig
 from fedind.server.metering import MeteredGrid
 from fedind.paillier.site import SITE_KEY_MISSING, decrypt_query, paillier_mod

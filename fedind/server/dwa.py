@@ -14,7 +14,7 @@ records around and keeps the cross-round state. One training round, server side:
 
 ``server_momentum > 0`` with conflict buffering is ONE heavy-ball buffer over every
 coordinate that restarts, per coordinate, where it points against the round's aggregate
-(:class:`~fedind.aggregation.RestartMomentum`), the sites' sign conflicts optionally damping
+(:class:`~fedind.aggregation.conflicts.RestartMomentum`), the sites' sign conflicts optionally damping
 what enters it. (Heavy ball on agreeing coordinates only, conflicting ones through a
 separate damped buffer, never learned: the sites' corrections of an overshoot went to the
 damped buffer while the amplified one kept pushing.) With equal label distributions,
@@ -40,18 +40,15 @@ from .. import wire
 from .metering import site_id_of
 from .screening import InvalidUpdate as InvalidReply  # one exception for "do not aggregate this reply"
 from .screening import check_histogram, read_reply
-from ..aggregation import (
-    class_row_scales,
-    scale_rows,
-    GlobalHistogram,
+from ..aggregation.conflicts import (
     MomentumBuffer,
     RestartMomentum,
     conflict_aware_aggregate,
     conflict_momentum_aggregate,
-    dwa_weights,
     heavy_ball,
     sign_agreement,
 )
+from ..aggregation.weighting import class_row_scales, scale_rows, GlobalHistogram, dwa_weights
 
 # DWA reads the number of classes from HEAD_WEIGHT ([num_classes, features]) when none is given.
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT
@@ -79,7 +76,7 @@ class DWA(FedAvg):
     Each round, for the sites whose replies pass validation (:meth:`validate_reply`):
 
     1. **Weights.** With ``weighting`` on, every site's latest label histogram goes into a
-       :class:`~fedind.aggregation.GlobalHistogram` (keyed by site id) and
+       :class:`~fedind.aggregation.weighting.GlobalHistogram` (keyed by site id) and
 
        .. math::  w = \mathrm{dwa\_weights}(n, P, P_{global}, T, f)
 
@@ -228,7 +225,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
 
     def average_over_holders(self, first: int | None) -> None:
         """From the next round, average the head rows of classes ``first`` on over the sites
-        that hold each class (:func:`~fedind.aggregation.class_row_scales`), the others over
+        that hold each class (:func:`~fedind.aggregation.weighting.class_row_scales`), the others over
         all sites; None: all over all sites. For the rows a phase grew (``young-rows =
         holders``): averaged over all sites, the one line that holds a new class moves its
         row by its share of the weights, and a site without the class sends that row almost

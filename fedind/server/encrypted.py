@@ -38,7 +38,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from .. import wire
-from ..aggregation import GlobalHistogram, dwa_weights
+from ..aggregation.weighting import GlobalHistogram, dwa_weights
 from ..config import DWA_STRATEGIES, ConfigError, RunConfig
 from ..paillier.keys import KeyFileError, PublicKey, load_public_key
 from ..paillier.packing import (
@@ -106,8 +106,8 @@ class SecureAggregation(Strategy):
     summed ``num-examples``: its weighted average of one reply is that reply, and server
     momentum / FedAdam / DWA's momentum restart act on the aggregate exactly as in a plain
     run. The site weights are computed here, before the sum: ``n_i / N``, or for DWA with
-    ``weighting`` the KL weights of :func:`fedind.aggregation.dwa_weights` over a
-    :class:`~fedind.aggregation.GlobalHistogram` kept here (the wrapped DWA is built with
+    ``weighting`` the KL weights of :func:`fedind.aggregation.weighting.dwa_weights` over a
+    :class:`~fedind.aggregation.weighting.GlobalHistogram` kept here (the wrapped DWA is built with
     weighting off, since it sees one reply).
     """
 
