@@ -1,5 +1,5 @@
 """``python -m fedind``: the same command line as the ``fedind`` script."""
 
-from .cli.main import main
+from .cli import main
 
 raise SystemExit(main())

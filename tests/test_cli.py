@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedind.cli.main import flwr_run_command, main
+from fedind.cli import flwr_run_command, main
 from fedind.data.federation import FederationSpec, make_global_test, make_site
 from fedind.data.format import load_global_test, load_site, validate_data_root
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fedind.paillier import keys, packing
-from fedind.cli.main import main as cli_main
+from fedind.cli import main as cli_main
 from fedind.config import ConfigError, RunConfig
 from fedind.paillier.keys import (
     SLOT_BITS,

@@ -17,7 +17,7 @@ from flwr.cli.supernode.register import try_load_public_key
 from flwr.supercore.primitives.asymmetric import bytes_to_public_key, sign_message, verify_signature
 from flwr.supernode.cli.flower_supernode import _try_setup_client_authentication
 
-from fedind.cli.main import main
+from fedind.cli import main
 from fedind.cli.deploy import (
     DeployError,
     certificate_hosts,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedind.cli.main import main as cli_main
+from fedind.cli import main as cli_main
 from fedind.data.format import SiteArrays, write_split
 from fedind.data.synthetic import NUM_CLASSES
 from fedind.edge.export import (

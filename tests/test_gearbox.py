@@ -280,7 +280,7 @@ def test_classes_differ_a_nearest_centroid_on_spectra_beats_chance():
 
 
 def test_cli_generates_a_gearbox_federation(tmp_path, capsys):
-    from fedind.cli.main import main
+    from fedind.cli import main
 
     out = tmp_path / "gearbox"
     argv = ["data", "generate", "--family", "gearbox", "--out", str(out), "--sites", "3", "--samples-per-site", "24"]

@@ -32,7 +32,7 @@ from flwr.clientapp import ClientApp
 from fedind import wire
 from fedind.server import app as server_app
 from fedind.server.checkpoint import CheckpointStore
-from fedind.cli.main import main as cli_main
+from fedind.cli import main as cli_main
 from fedind.config import ConfigError, RunConfig, recipe
 from fedind.data.format import SiteArrays, write_split
 from fedind.server.diagnostics import common_cause, short_reason, site_score

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedind.cli.main import main as cli_main
+from fedind.cli import main as cli_main
 from fedind.config import RunConfig
 from fedind.data.format import load_split
 from fedind.models import FaultCNN

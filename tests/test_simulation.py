@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedind.cli.main import main as cli_main
+from fedind.cli import main as cli_main
 from fedind.config import RunConfig
 from fedind.data.format import DataFormatError
 from fedind.models import FaultCNN

@@ -276,7 +276,7 @@ def read_register_list(path: Path) -> list[tuple[str, Path, str]]:
 
 
 def add_commands(commands) -> None:  # commands: argparse "_SubParsersAction" of `fedind`
-    """``fedind deploy certs`` and ``fedind deploy site-keys`` (wired in fedind/cli/main.py)."""
+    """``fedind deploy certs`` and ``fedind deploy site-keys`` (wired in fedind/cli/__init__.py)."""
     deploy = commands.add_parser("deploy", help="generate TLS certificates and SuperNode keys")
     deploy.set_defaults(help_parser=deploy)
     sub = deploy.add_subparsers(title="commands", metavar="COMMAND")

@@ -123,7 +123,7 @@ def _add_app_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    """``fedind check-config`` and ``fedind run`` (fedind.cli.main)."""
+    """``fedind check-config`` and ``fedind run`` (fedind.cli)."""
     check = commands.add_parser(
         "check-config", help="check a run config before flwr run sees it",
         description="Check the run config that `flwr run APP_DIR --run-config ...` would start: every key "
