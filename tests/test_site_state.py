@@ -11,7 +11,6 @@ from fedind import wire
 from fedind.topk.codec import decode, expected_of, from_record
 from fedind.config import RunConfig
 from fedind.site.state import (
-    MANIFEST,
     RUN_RECORD,
     CorruptStateError,
     decode_state,
@@ -21,6 +20,7 @@ from fedind.site.state import (
     save_state,
     state_mod,
 )
+from fedind.store import MANIFEST
 from fedind.topk.uplink import topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..server.checkpoint import MANIFEST, CorruptCheckpointError, read_checkpoint
+from ..server.checkpoint import CorruptCheckpointError, read_checkpoint
+from ..store import MANIFEST
 from ..data.format import META_FILE, DataFormatError, load_split
 from ..files import digest_path, read_digest
 

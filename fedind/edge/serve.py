@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from fastapi.concurrency import run_in_threadpool
 
-from ..server.checkpoint import MANIFEST
+from ..store import MANIFEST
 from ..data.format import DataFormatError
 from .predict import (
     LoadedModel,

@@ -16,12 +16,12 @@ The newest ``keep`` checkpoints are kept.
 Loading tries the newest first. A checkpoint whose manifest does not parse, whose files are
 missing, truncated or differ from their SHA-256, or whose contents do not decode is
 reported (WARNING), renamed ``round-<r>.corrupt-<time>`` (kept for inspection, never loaded)
-and the next older one is tried. No pickle: safetensors and JSON only.
+and the next older one is tried. No pickle: safetensors and JSON only. The files, manifest
+and quarantine are those of the verified store, :mod:`fedind.store`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -35,17 +35,17 @@ from typing import Any
 
 import numpy as np
 from flwr.common.logger import log
-from safetensors import SafetensorError
 
-from ..files import atomic_write, fsync_dir
+from .. import store
+from ..files import fsync_dir
+from ..store import MANIFEST, CorruptStoreError
 
 FORMAT, VERSION = "fedind.checkpoint", 1
-MANIFEST = "manifest.json"
 _ARRAY_TAG = "$array"
 _FLOAT_TAG = "$float"  # a non-finite float ("nan", "inf", "-inf"): state.json is strict JSON
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(CorruptStoreError):
     """A checkpoint that must not be loaded; the message names the file and the fault."""
 
 
@@ -107,18 +107,11 @@ def join_arrays(tree: Any, arrays: Mapping[str, np.ndarray]) -> Any:
 
 
 def _safetensors(arrays: Mapping[str, np.ndarray]) -> bytes:
-    from safetensors.numpy import save
-
-    return save({k: np.require(v, requirements="C") for k, v in arrays.items()}, metadata={"format": FORMAT})
+    return store.arrays_to_bytes(arrays, FORMAT)
 
 
 def _load_safetensors(data: bytes, path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load
-
-    try:
-        return load(data)
-    except (SafetensorError, ValueError, OSError) as err:
-        raise CorruptCheckpointError(f"{path}: not readable safetensors ({err})") from err
+    return store.arrays_from_bytes(data, path, CorruptCheckpointError)
 
 
 # --------------------------------------------------------------------------- the store
@@ -160,16 +153,13 @@ class CheckpointStore:
             "version": VERSION,
             "round": int(server_round),
             "created": time.time(),
-            "files": {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)} for name, data in files.items()},
+            "files": {name: {"sha256": store.sha256(data), "bytes": len(data)} for name, data in files.items()},
         }
-        files[MANIFEST] = json.dumps(manifest, indent=1).encode()  # written last
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.folder / f".round-{server_round:06d}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for name, data in files.items():
-            atomic_write(tmp / name, data)
-        fsync_dir(tmp)
+        store.write(tmp, files, manifest)  # the manifest last
         target = self.path(server_round)
         if target.exists():  # a resumed run that fell back re-saves a round: replace it whole
             old = self.folder / f".{target.name}.{os.getpid()}.old"
@@ -205,39 +195,20 @@ class CheckpointStore:
         return None
 
     def quarantine(self, server_round: int) -> Path:
-        path = self.path(server_round)
-        target = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-        os.replace(path, target)
-        return target
+        return store.quarantine(self.path(server_round))
 
 
 def read_checkpoint(path: Path, expected_round: int | None = None) -> Checkpoint:
     """Read and verify one checkpoint folder (manifest, sizes, SHA-256, decoding, finite model)."""
     manifest_path = path / MANIFEST
-    try:
-        manifest = json.loads(manifest_path.read_bytes())
-    except (OSError, ValueError) as err:
-        raise CorruptCheckpointError(f"{manifest_path}: unreadable manifest ({err})") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CorruptCheckpointError(f"{manifest_path}: not a {FORMAT} v{VERSION} manifest")
+    manifest = store.read_manifest(path, FORMAT, VERSION, CorruptCheckpointError)
     server_round = manifest.get("round")
     if not isinstance(server_round, int) or server_round < 0 or (expected_round is not None and server_round != expected_round):
         raise CorruptCheckpointError(f"{manifest_path}: round {server_round!r} does not match the folder")
     listed = manifest.get("files")
     if not isinstance(listed, dict) or set(listed) != {"model.safetensors", "state.safetensors", "state.json"}:
         raise CorruptCheckpointError(f"{manifest_path}: wrong file list {sorted(listed) if isinstance(listed, dict) else listed!r}")
-    data: dict[str, bytes] = {}
-    for name, entry in listed.items():
-        file = path / name
-        try:
-            content = file.read_bytes()
-        except OSError as err:
-            raise CorruptCheckpointError(f"{file}: missing or unreadable ({err.strerror})") from err
-        if not isinstance(entry, dict) or len(content) != entry.get("bytes"):
-            raise CorruptCheckpointError(f"{file}: {len(content)} bytes, the manifest says {entry.get('bytes') if isinstance(entry, dict) else entry!r} (truncated?)")
-        if hashlib.sha256(content).hexdigest() != entry.get("sha256"):
-            raise CorruptCheckpointError(f"{file}: SHA-256 does not match the manifest (modified or torn)")
-        data[name] = content
+    data = store.read_files(path, listed, CorruptCheckpointError, sized=True)
     arrays = _load_safetensors(data["model.safetensors"], path / "model.safetensors")
     if not arrays:
         raise CorruptCheckpointError(f"{path / 'model.safetensors'}: no arrays")

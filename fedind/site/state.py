@@ -23,15 +23,14 @@ A save writes generation g+1's data files (temp file, fsync, rename), then the m
 same way, fsyncs the folder and removes generation g: a crash at any point leaves a
 manifest whose files exist and match. A manifest or file that fails to parse or whose
 SHA-256 differs is reported (WARNING), moved aside as ``run-<id>.corrupt-<time>`` and not
-loaded; the site continues with fresh state. No pickle: safetensors and JSON only.
+loaded; the site continues with fresh state. No pickle: safetensors and JSON only. The
+files, manifest and quarantine are those of the verified store, :mod:`fedind.store`.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from logging import ERROR, INFO, WARNING
@@ -43,24 +42,16 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.common.logger import log
 from safetensors import SafetensorError
 
-from .. import wire
-from ..files import atomic_write, fsync_dir
+from .. import store, wire
+from ..store import MANIFEST, CorruptStoreError
 
 NODE_CONFIG_KEY = "state-dir"
 FORMAT, VERSION = "fedind.site-state", 1
-MANIFEST = "manifest.json"
 MAX_HISTORY = 1000  # manifest keeps the last entries of (message type, round, time)
 
 
-class CorruptStateError(ValueError):
+class CorruptStateError(CorruptStoreError):
     """Saved state that must not be loaded; the message says which file and why."""
-
-
-# --------------------------------------------------------------------------- files
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # --------------------------------------------------------------------------- encoding
@@ -110,8 +101,6 @@ def _untag(tagged: Any) -> Any:
 
 def encode_state(state: RecordDict) -> tuple[bytes, bytes, list[dict]]:
     """(safetensors bytes, JSON bytes, record index) for a RecordDict."""
-    from safetensors.numpy import save
-
     tensors: dict[str, np.ndarray] = {}
     plain: dict[str, dict] = {}
     index: list[dict] = []
@@ -129,14 +118,12 @@ def encode_state(state: RecordDict) -> tuple[bytes, bytes, list[dict]]:
             index.append({"name": name, "kind": kind})
         else:
             raise TypeError(f"context.state[{name!r}] is a {type(record).__name__}, which cannot be saved")
-    array_bytes = save(tensors, metadata={"format": FORMAT}) if tensors else b""
+    array_bytes = store.arrays_to_bytes(tensors, FORMAT) if tensors else b""
     return array_bytes, json.dumps(plain, allow_nan=False).encode(), index
 
 
 def decode_state(array_bytes: bytes, json_bytes: bytes, index: list[dict]) -> RecordDict:
-    from safetensors.numpy import load
-
-    tensors = load(array_bytes) if array_bytes else {}
+    tensors = store.arrays_from_bytes(array_bytes, "saved arrays", CorruptStateError) if array_bytes else {}
     plain = json.loads(json_bytes)
     state = RecordDict()
     for entry in index:
@@ -156,16 +143,7 @@ def decode_state(array_bytes: bytes, json_bytes: bytes, index: list[dict]) -> Re
 
 def read_manifest(folder: Path) -> dict | None:
     """The folder's manifest, None when there is none; CorruptStateError when unreadable."""
-    path = folder / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        manifest = json.loads(path.read_bytes())
-    except (OSError, ValueError) as err:
-        raise CorruptStateError(f"{path}: unreadable manifest ({err})") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CorruptStateError(f"{path}: not a {FORMAT} v{VERSION} manifest")
-    return manifest
+    return store.read_manifest(folder, FORMAT, VERSION, CorruptStateError, missing_ok=True)
 
 
 def load_state(folder: Path) -> tuple[RecordDict, dict] | None:
@@ -175,18 +153,8 @@ def load_state(folder: Path) -> tuple[RecordDict, dict] | None:
     manifest = read_manifest(folder)
     if manifest is None:
         return None
-    data: dict[str, bytes] = {}
     try:
-        for name, digest in manifest["files"].items():
-            if Path(name).name != name:
-                raise CorruptStateError(f"{folder / MANIFEST}: file name {name!r} outside the folder")
-            path = folder / name
-            if not path.is_file():
-                raise CorruptStateError(f"{path}: missing")
-            content = path.read_bytes()
-            if _sha256(content) != digest:
-                raise CorruptStateError(f"{path}: SHA-256 does not match the manifest")
-            data[name] = content
+        data = store.read_files(folder, manifest["files"], CorruptStateError)
         generation = int(manifest["generation"])
         state = decode_state(
             data.get(f"state-{generation:06d}.safetensors", b""), data[f"state-{generation:06d}.json"], manifest["records"]
@@ -213,31 +181,21 @@ def save_state(folder: Path, state: RecordDict, entry: dict, restored: bool = Fa
     files = {f"state-{generation:06d}.json": json_bytes}
     if array_bytes:
         files[f"state-{generation:06d}.safetensors"] = array_bytes
-    for name, content in files.items():
-        atomic_write(folder / name, content)
     history = (previous or {}).get("history", []) + [{**entry, "generation": generation, "time": time.time()}]
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "generation": generation,
-        "files": {name: _sha256(content) for name, content in files.items()},
+        "files": {name: store.sha256(content) for name, content in files.items()},
         "records": index,
         "restores": int((previous or {}).get("restores", 0)) + int(restored),
         "history": history[-MAX_HISTORY:],
     }
-    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
-    fsync_dir(folder)
+    store.write(folder, files, manifest)  # the data files, then the manifest
     for old in folder.iterdir():  # earlier generations and temp files of crashed saves
         if old.name != MANIFEST and old.name not in files and (old.name.startswith("state-") or old.name.startswith(".")):
             old.unlink(missing_ok=True)
     return manifest
-
-
-def quarantine(folder: Path) -> Path:
-    """Move a corrupt state folder aside (kept for inspection, never loaded)."""
-    target = folder.with_name(f"{folder.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    os.replace(folder, target)
-    return target
 
 
 # --------------------------------------------------------------------------- the mod
@@ -257,7 +215,7 @@ def _restore(folder: Path, context: Context) -> bool:
     try:
         loaded = load_state(folder)
     except CorruptStateError as err:
-        moved = quarantine(folder)
+        moved = store.quarantine(folder)
         log(WARNING, "site state not loaded, starting fresh: %s (moved to %s)", err, moved)
         return False
     if loaded is None:
