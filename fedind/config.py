@@ -356,8 +356,9 @@ RECIPE: dict[str, Any] = {
     "downlink_ratio": 0.2,  # at 5 % the sites' copy lagged and the recipe lost 20 points (seed 0, alpha 0.1)
     "downlink_quantization": "int4",
     "replay_samples": 256,  # bounded replay buffer (replay-share caps it at 10 % of a line's windows)
-    "ewc_lambda": 1.0,  # EWC consolidation at phase ends
-    "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)
+    "ewc_lambda": 10.0,  # EWC consolidation at phase ends...
+    "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)...
+    "ewc_anchor": "global",  # ...held near each round's global model: anchoring at the phase-end model held back a model still learning
     # the plant scenario: two phases, half the lines change speed, a new fault class at one line
     "phases": 2,
     "phase_rounds": 20,
