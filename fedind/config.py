@@ -25,6 +25,7 @@ STRATEGIES = (
     "fedind", "fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "trimmedavgm", "dwa"
 )
 DWA_STRATEGIES = ("fedind", "dwa")
+EWC_ANCHORS = ("phase-end", "global")  # what the EWC penalty holds the kept coordinates near (fedind.continual.ewc)
 YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual.phases)
 COMPRESSIONS = ("none", "topk")
 ENCRYPTIONS = ("none", "paillier")
@@ -114,6 +115,7 @@ class RunConfig:
     ewc_gamma: float = 1.0  # online EWC: Fisher of earlier phases is scaled by gamma at each consolidation
     ewc_server_lambda: float = 0.0  # server damps each coordinate's drift from its anchor by 1/(1 + this*F) (0 = off)
     ewc_keep: float = 1.0  # EWC: share of the Fisher's coordinates kept at each consolidation (the largest; 1 = all)
+    ewc_anchor: str = "phase-end"  # EWC anchors: phase-end (the model at the last phase end) | global (the model each round starts from)
     young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa averages them over its holders; other strategies refit)
 
     def __post_init__(self) -> None:
@@ -185,6 +187,7 @@ class RunConfig:
             "ewc-gamma": 0 <= self.ewc_gamma <= 1,
             "ewc-server-lambda": math.isfinite(self.ewc_server_lambda) and self.ewc_server_lambda >= 0,
             "ewc-keep": 0 < self.ewc_keep <= 1,
+            "ewc-anchor": self.ewc_anchor in EWC_ANCHORS,
             "young-rows": self.young_rows in YOUNG_ROWS,
         }
         for key, ok in checks.items():
@@ -217,6 +220,11 @@ class RunConfig:
             raise ConfigError(
                 f"Invalid run config ewc-server-lambda = {self.ewc_server_lambda!r} with ewc-lambda = 0: "
                 "the server damps by the Fisher the EWC sites send; set ewc-lambda > 0"
+            )
+        if self.ewc_server_lambda and self.ewc_anchor != "phase-end":
+            raise ConfigError(
+                f"Invalid run config ewc-server-lambda = {self.ewc_server_lambda!r} with ewc-anchor = "
+                f"{self.ewc_anchor!r}: the server damps drift from the phase-end anchors; set ewc-anchor = \"phase-end\""
             )
         if self.replay_samples and self.replay_ratio == 0:
             raise ConfigError(
@@ -348,8 +356,9 @@ RECIPE: dict[str, Any] = {
     "downlink_ratio": 0.2,  # at 5 % the sites' copy lagged and the recipe lost 20 points (seed 0, alpha 0.1)
     "downlink_quantization": "int4",
     "replay_samples": 256,  # bounded replay buffer (replay-share caps it at 10 % of a line's windows)
-    "ewc_lambda": 1.0,  # EWC consolidation at phase ends
-    "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)
+    "ewc_lambda": 10.0,  # EWC consolidation at phase ends...
+    "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)...
+    "ewc_anchor": "global",  # ...held near each round's global model: anchoring at the phase-end model held back a model still learning
     # the plant scenario: two phases, half the lines change speed, a new fault class at one line
     "phases": 2,
     "phase_rounds": 20,

@@ -460,7 +460,7 @@ def test_a_penalty_consolidated_before_the_head_grew_holds_nothing_on_the_new_ro
     grown = FaultCNN(in_channels=1, num_classes=5, width=8)
     grown.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in expand_head(old, 5).items()}, strict=True)
     config = RunConfig(ewc_lambda=2.0, phases=2, phase_rounds=2, num_server_rounds=4)
-    penalty = received_penalty(msg, config, num_classes=5)
+    penalty = received_penalty(msg, config, None, num_classes=5)
     assert float(penalty(grown)) == 0.0  # at the anchors, and the new row is free
     with torch.no_grad():
         grown.head.weight[4] += 1.0  # the new class's row moves: no penalty
@@ -468,3 +468,40 @@ def test_a_penalty_consolidated_before_the_head_grew_holds_nothing_on_the_new_ro
     with torch.no_grad():
         grown.head.weight[0] += 1.0  # an old row moves: penalised
     assert float(penalty(grown)) > 0.0
+
+
+def test_a_global_anchor_holds_training_near_the_received_model_and_needs_no_anchor_record(flower_task_identity):
+    """``ewc-anchor = global``: the penalty is zero at the model the site received and grows
+    as the kept coordinates leave it; the message carries the Fisher only."""
+    import json
+
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+    from fedind import wire
+    from fedind.config import RunConfig
+    from fedind.server.continual import received_penalty
+
+    model = FaultCNN(in_channels=1, num_classes=4, width=8)
+    fisher = {"head.weight": np.ones((4, model.head.in_features), np.float32)}
+    content = RecordDict({
+        wire.EWC_FISHER: ArrayRecord({k: Array(v) for k, v in fisher.items()}),
+        wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps({})}),
+    })
+    msg = Message(content, message_type=MessageType.TRAIN, dst_node_id=1)
+    config = RunConfig(ewc_lambda=2.0, ewc_anchor="global", phases=2, phase_rounds=2, num_server_rounds=4)
+    penalty = received_penalty(msg, config, model, num_classes=4)
+    assert float(penalty(model)) == 0.0
+    with torch.no_grad():
+        model.head.weight[1, 0] += 0.5  # the anchors are a copy: moving the model is penalised
+    assert float(penalty(model)) == pytest.approx(0.5 * 2.0 * 0.25)
+    with pytest.raises(ValueError, match="received model"):
+        received_penalty(msg, config, None, num_classes=4)
+
+
+def test_server_damping_needs_the_phase_end_anchor():
+    from fedind.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="ewc-anchor"):
+        RunConfig(ewc_lambda=1.0, ewc_server_lambda=1.0, ewc_anchor="global", phases=2, phase_rounds=2, num_server_rounds=4)
+    with pytest.raises(ConfigError, match="ewc-anchor"):
+        RunConfig(ewc_anchor="latest")

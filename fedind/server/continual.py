@@ -118,17 +118,30 @@ def replay_metrics(buffer: ReplayBuffer | None, batch: SiteArrays) -> dict[str, 
     }
 
 
-def received_penalty(msg: Message, config: RunConfig, num_classes: int | None = None) -> EWCPenalty | None:
+def received_penalty(
+    msg: Message, config: RunConfig, model: torch.nn.Module | None = None, num_classes: int | None = None
+) -> EWCPenalty | None:
     """The EWC penalty of a train message (None before the first phase end or with λ = 0).
     Records consolidated before the head grew to ``num_classes`` get zero rows for the new
-    classes (F = 0: nothing to hold there), so the server need not send them again."""
+    classes (F = 0: nothing to hold there), so the server need not send them again. With
+    ``ewc-anchor = global`` the anchors are ``model``'s parameters as received (the round's
+    global model): local training is held near where the federation is, along the
+    coordinates earlier phases taught most, and the server sends no anchors."""
     records = msg.content.array_records
     if not config.ewc_lambda or wire.EWC_FISHER not in records:
         return None
     fisher = {name: a.numpy() for name, a in records[wire.EWC_FISHER].items()}
-    anchors = {name: a.numpy() for name, a in records[wire.EWC_ANCHORS].items()}
     if num_classes is not None and HEAD_WEIGHT in fisher and fisher[HEAD_WEIGHT].shape[0] < num_classes:
-        fisher, anchors = pad_head_rows(fisher, num_classes), pad_head_rows(anchors, num_classes)
+        fisher = pad_head_rows(fisher, num_classes)
+    if config.ewc_anchor == "global":
+        if model is None:
+            raise ValueError("ewc-anchor = global needs the received model")
+        params = dict(model.named_parameters())
+        anchors = {name: params[name].detach().cpu().numpy().copy() for name in fisher if name in params}
+    else:
+        anchors = {name: a.numpy() for name, a in records[wire.EWC_ANCHORS].items()}
+        if num_classes is not None and HEAD_WEIGHT in anchors and anchors[HEAD_WEIGHT].shape[0] < num_classes:
+            anchors = pad_head_rows(anchors, num_classes)
     return EWCPenalty(fisher, anchors, config.ewc_lambda)
 
 
@@ -221,10 +234,9 @@ class PhaseController:
         if self.ewc is None or not self.ewc.phases:
             return {}
         if self._records is None:
-            self._records = {
-                wire.EWC_FISHER: _record(self.ewc.fisher),
-                wire.EWC_ANCHORS: _record(self.ewc.anchors),
-            }
+            self._records = {wire.EWC_FISHER: _record(self.ewc.fisher)}
+            if self.config.ewc_anchor == "phase-end":  # global: the sites anchor at the model they receive
+                self._records[wire.EWC_ANCHORS] = _record(self.ewc.anchors)
         return self._records
 
     def end_of_round(self, server_round: int, arrays: ArrayRecord, replies: list[Message]) -> ArrayRecord:

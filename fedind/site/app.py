@@ -162,7 +162,7 @@ def train(msg: Message, context: Context) -> Message:
         logit_adjustment=adjustment,
         replay=replay,
         replay_ratio=replay_ratio,
-        penalty=received_penalty(msg, config, num_classes),
+        penalty=received_penalty(msg, config, model, num_classes),
         grad_clip=config.local_grad_clip,
         conditioned=conditioned,
     )
