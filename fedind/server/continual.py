@@ -57,7 +57,7 @@ from ..files import atomic_write
 from .metering import payload_bytes, site_id_of
 from ..models import FaultCNN
 from ..continual.replay import ReplayBuffer
-from .screening import UpdateScreen
+from .pipeline import ReplyPipeline
 from .strategies import grow_strategy_classes, reset_strategy_rows
 
 REPLAY_STATE = "replay-buffer"  # context.state ArrayRecord: ReplayBuffer.state_dict()
@@ -187,7 +187,7 @@ class PhaseController:
         device: torch.device,
         folder: Path,
         run_config_json: str,
-        screen: UpdateScreen | None = None,
+        pipeline: ReplyPipeline | None = None,
     ) -> None:
         if len(test_sets) != config.phases:
             raise ValueError(f"expected {config.phases} phase test sets, got {len(test_sets)}")
@@ -201,7 +201,7 @@ class PhaseController:
         self.device = device
         self.folder = Path(folder)
         self.run_config_json = run_config_json
-        self.screen = screen
+        self.pipeline = pipeline  # follows a grown head (the length of a valid label histogram)
         self.ewc = EWCState(config.ewc_gamma, config.ewc_keep) if config.ewc_lambda > 0 else None
         self.consolidated: list[int] = []  # phases whose end the sites were told of
         self.expansions: list[dict] = []  # {"round", "from", "to", "proposed_rows"}
@@ -245,18 +245,18 @@ class PhaseController:
         for reply in replies:
             if reply.has_error():
                 continue
-            metrics = next(iter(reply.content.metric_records.values()), {})
-            self._note_replay(site_id_of(reply), metrics)
+            site, metrics, proposal = _reported(reply)
+            self._note_replay(site, metrics)
             seen = metrics.get(wire.CLASSES_SEEN)
             if seen is None:
                 continue
             valid = isinstance(seen, (int, float)) and not isinstance(seen, bool) and math.isfinite(seen)
             if not (valid and float(seen).is_integer() and 1 <= seen <= MAX_CLASSES):
-                log(WARNING, "round %d: site %s claims classes-seen = %r; ignored", server_round, site_id_of(reply), seen)
+                log(WARNING, "round %d: site %s claims classes-seen = %r; ignored", server_round, site, seen)
                 continue
             claimed = max(claimed, int(seen))
-            if wire.NEW_CLASSES in reply.content.config_records:
-                proposing.append((site_id_of(reply), reply.content.config_records[wire.NEW_CLASSES]))
+            if proposal is not None:
+                proposing.append((site, proposal))
         # Proposals cover the classes from the first young one (or the head's end) on.
         refit = self.young_from is not None and self.config.refits_young_rows
         first = self.young_from if refit else self.num_classes
@@ -311,8 +311,8 @@ class PhaseController:
         old = self.num_classes
         arrays = _record(expand_head(_numpy(arrays), num_classes, new_rows=rows))
         grow_strategy_classes(self.strategy, arrays, num_classes)
-        if self.screen is not None:
-            self.screen.num_classes = num_classes
+        if self.pipeline is not None:
+            self.pipeline.grow_classes(num_classes)
         if self.ewc is not None:  # the records sent stay as consolidated: sites pad new rows with F = 0
             self.ewc.expand_classes(num_classes)
         self.num_classes = num_classes
@@ -473,8 +473,8 @@ class PhaseController:
         if self.ewc is not None:
             self.ewc.load_state_dict(state["ewc"])
         self.num_classes = int(state["num_classes"])
-        if self.screen is not None:
-            self.screen.num_classes = self.num_classes
+        if self.pipeline is not None:
+            self.pipeline.grow_classes(self.num_classes)
         self.consolidated = [int(p) for p in state["consolidated"]]
         self.expansions = [dict(e) for e in state["expansions"]]
         self.rows = [dict(r) for r in state["rows"]]
@@ -484,6 +484,16 @@ class PhaseController:
         self.replay = {str(s): dict(e) for s, e in state["replay"].items()}
         self._set_young(young)
         self._records = None
+
+
+def _reported(reply: Message) -> tuple[str, Mapping, Mapping | None]:
+    """(site, metrics, new-classes proposal) of a train reply: from its typed update
+    (:mod:`fedind.server.pipeline`), or read off a reply that came without one."""
+    update = getattr(reply, "update", None)
+    if update is not None:
+        return update.site_id, update.metrics, update.proposal
+    metrics = next(iter(reply.content.metric_records.values()), {})
+    return site_id_of(reply), metrics, reply.content.config_records.get(wire.NEW_CLASSES)
 
 
 def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
