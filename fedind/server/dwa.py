@@ -219,6 +219,34 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             raise ValueError(f"Invalid first class: {first!r}")
         self.holder_rows_from = first
 
+    def follow_global_model(
+        self, arrays: ArrayRecord, edit: Callable[[dict], dict] | None = None, num_classes: int | None = None
+    ) -> None:
+        """``arrays`` (the server edited the global model after this strategy's step) is the
+        model the next replies are compared to; ``edit`` (None: leave them) maps the momentum
+        buffers (name -> array); ``num_classes``: the head grew, the label histograms get
+        zero counts for the new classes."""
+        self.current_arrays = arrays  # first: load_state_dict checks the buffers against it
+        if edit is None:
+            return
+        state = self.state_dict()
+        histogram = state["global_histogram"]
+        if histogram is not None and num_classes is not None:
+            histogram = {
+                "num_classes": num_classes,
+                "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in histogram["sites"].items()},
+            }
+        state = {
+            "global_histogram": histogram,
+            "momentum": {"buffers": edit(state["momentum"]["buffers"])},
+            "server_momentum": None
+            if state["server_momentum"] is None
+            else {"buffers": edit(state["server_momentum"]["buffers"])},
+        }
+        if num_classes is not None:
+            self.num_classes = num_classes
+        self.load_state_dict(state)
+
     # ------------------------------------------------------------------ Flower hooks
 
     def summary(self) -> None:
