@@ -129,7 +129,7 @@ def test_the_strategy_steps_from_the_model_end_of_round_edited(name, flower_task
 def test_fedavgm_momentum_of_rows_set_outside_the_strategy_is_zeroed():
     strategy = build_strategy(RunConfig(strategy="fedavgm"), num_sites=2)
     arrays = ArrayRecord({"head.weight": Array(np.zeros((3, 2), np.float32)), "head.bias": Array(np.zeros(3, np.float32))})
-    strategy.momentum_vector = [np.ones((3, 2), np.float32), np.ones(3, np.float32)]
+    strategy.load_state_dict({"momentum_vector": [np.ones((3, 2), np.float32), np.ones(3, np.float32)]})
     reset_strategy_rows(strategy, arrays, [1])
     assert strategy.momentum_vector[0].tolist() == [[1, 1], [0, 0], [1, 1]]
     assert strategy.momentum_vector[1].tolist() == [1, 0, 1] and strategy.current_arrays is arrays

@@ -58,7 +58,7 @@ _STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
 class DWA(FedAvg):
     r"""Divergence-weighted aggregation with conflict buffering (Flower Message API).
 
-    Each round, for the sites whose replies pass validation (:meth:`validate_reply`):
+    Each round, for the sites whose replies pass validation (:func:`fedind.server.pipeline.decode_reply`):
 
     1. **Weights.** With ``weighting`` on, every site's latest label histogram goes into a
        :class:`~fedind.aggregation.weighting.GlobalHistogram` (keyed by site id) and
