@@ -23,12 +23,14 @@ SMALL = dict(num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, mod
 
 def counting(monkeypatch) -> tuple[Counter, Counter]:
     """Count decode_reply (wherever a fedind module imported it) and the top-k payload
-    decode, per train reply (its node and the message it answers)."""
+    decode, per train reply as it arrived."""
     decodes, payloads = Counter(), Counter()
     decode_reply, sent_change = pipeline.decode_reply, uplink._sent_change
+    seen = []  # every reply decoded, kept alive so that its id stays its own
 
-    def key(reply) -> tuple:
-        return reply.metadata.src_node_id, reply.metadata.reply_to_message_id
+    def key(reply) -> int:
+        seen.append(reply)
+        return id(reply)
 
     def counted_decode(instruction, reply, sent, **kwargs):
         decodes[key(reply)] += 1
