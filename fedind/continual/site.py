@@ -87,7 +87,8 @@ def received_penalty(
     global model): local training is held near where the federation is, along the
     coordinates earlier phases taught most, and the server sends no anchors."""
     records = msg.content.array_records
-    if not config.ewc_lambda or wire.EWC_FISHER not in records:
+    lam = config.ewc_lambda_at(int(msg.content[wire.CONFIG].get(wire.SERVER_ROUND, 1)))
+    if not lam or wire.EWC_FISHER not in records:
         return None
     fisher = {name: a.numpy() for name, a in records[wire.EWC_FISHER].items()}
     if num_classes is not None and HEAD_WEIGHT in fisher and fisher[HEAD_WEIGHT].shape[0] < num_classes:
@@ -101,7 +102,7 @@ def received_penalty(
         anchors = {name: a.numpy() for name, a in records[wire.EWC_ANCHORS].items()}
         if num_classes is not None and HEAD_WEIGHT in anchors and anchors[HEAD_WEIGHT].shape[0] < num_classes:
             anchors = pad_head_rows(anchors, num_classes)
-    return EWCPenalty(fisher, anchors, config.ewc_lambda)
+    return EWCPenalty(fisher, anchors, lam)
 
 
 def pad_residuals(context: Context, key: str, num_classes: int) -> None:

@@ -117,7 +117,9 @@ class PhaseController:
     def train_records(self, server_round: int) -> dict[str, ArrayRecord | ConfigRecord]:
         """``ewc-fisher`` and ``ewc-anchors`` for every train message once a phase ended, and
         ``new-classes`` (``refit-from``) while the current phase has grown rows."""
-        records: dict[str, ArrayRecord | ConfigRecord] = dict(self._ewc_records())
+        records: dict[str, ArrayRecord | ConfigRecord] = {}
+        if self.config.ewc_lambda_at(server_round):  # none while a faded penalty is off
+            records.update(self._ewc_records())
         if self.young_from is not None and self.config.refits_young_rows:
             records[wire.NEW_CLASSES] = ConfigRecord({wire.REFIT_FROM: self.young_from})
         return records
