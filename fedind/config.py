@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -339,8 +340,12 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "RunConfig":
-        """The run config the server sends to sites with every message (JSON text)."""
-        return cls.from_flower(json.loads(text))
+        """The run config the server sends to sites with every message (JSON text), parsed
+        and checked once per distinct text: a site's mods and handler read it from the same
+        message, and the server sends the same text every round."""
+        if cls is not RunConfig:
+            return cls.from_flower(json.loads(text))
+        return _parsed_run_config(text)
 
     def to_flower(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -380,6 +385,11 @@ RECIPE: dict[str, Any] = {
     # fine-tuning forgot nothing to consolidate (docs/benchmarks/continual.md)
     "drift_regime_share": 1.0,
 }
+
+
+@functools.lru_cache(maxsize=8)  # keyed by the text, bounded; a RunConfig is frozen, so sharing it is safe
+def _parsed_run_config(text: str) -> RunConfig:
+    return RunConfig.from_flower(json.loads(text))
 
 
 def recipe(**overrides: Any) -> RunConfig:

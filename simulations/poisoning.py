@@ -74,8 +74,7 @@ from simulations.common import parse_overrides, saved_figure  # noqa: E402
 import fedind.server.app  # noqa: E402
 from fedind import wire  # noqa: E402
 from fedind.site.app import site_app  # noqa: E402
-from fedind.server.metering import site_id_of  # noqa: E402
-from fedind.server.screening import InvalidUpdate, UpdateScreen, check_update, label_alignment  # noqa: E402
+from fedind.server.screening import UpdateScreen, label_alignment  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
 KINDS = ("scale", "signflip", "bodyflip", "absent")
@@ -225,26 +224,20 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **({"clip_ratio": clip_ratio} | kwargs if clip_ratio is not None else kwargs))
 
-        def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
-            out = super().__call__(instructions, replies)
+        def rules(self, updates: list) -> dict:
+            verdicts = super().rules(updates)
             alignments = {}  # node -> this round's label alignment (fedind.server.screening.label_alignment)
             norms, labelled = {}, {}  # node -> (site, update); node -> (update, head update, histogram)
-            for reply in replies:
-                instruction = instructions.get(reply.metadata.src_node_id)
-                if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
+            for update in updates:  # the round's typed updates (fedind.server.pipeline), before the rules
+                if not update.has_update:
                     continue
-                sent = {k: a.numpy() for k, a in instruction.content[wire.ARRAYS].items()}
-                try:
-                    delta = check_update(reply, sent)
-                except InvalidUpdate:
-                    continue
+                delta, histogram = update.delta, update.histogram
                 flat = np.concatenate([d.ravel() for d in delta.values()])
-                norms[reply.metadata.src_node_id] = (site_id_of(reply), flat)
-                histogram = next(iter(reply.content.metric_records.values())).get(wire.LABEL_HISTOGRAM)
+                norms[update.node_id] = (update.site_id, flat)
                 if histogram is not None:
                     head = np.concatenate([d.ravel() for k, d in sorted(delta.items()) if k.startswith("head.")])
-                    labelled[reply.metadata.src_node_id] = (flat, head, histogram)
-                    alignments[reply.metadata.src_node_id] = label_alignment(delta["head.bias"], histogram)
+                    labelled[update.node_id] = (flat, head, list(histogram))
+                    alignments[update.node_id] = label_alignment(delta["head.bias"], histogram)
             peers = peers_head = {}
             if len(labelled) >= 2:
                 histograms = [h for _, _, h in labelled.values()]
@@ -255,7 +248,7 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
                 lengths = {node: float(np.linalg.norm(flat)) for node, (_, flat) in norms.items()}
                 median = float(np.median(list(lengths.values())))
                 middle = np.median(np.stack([flat for _, flat in norms.values()]), axis=0)
-                rejected = {r.metadata.src_node_id for r in out if r.has_error()}
+                rejected = {updates[i].node_id for i, v in verdicts.items() if isinstance(v, str)}
                 for node, (site, flat) in sorted(norms.items(), key=lambda kv: kv[1][0]):
                     cosine = float(flat @ middle) / max(lengths[node] * float(np.linalg.norm(middle)), 1e-300)
                     rows.append({"round": server_round, "site": site, "norm": lengths[node],
@@ -264,7 +257,7 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
                                  "peer_cosine_head": peers_head.get(node, float("nan")),
                                  "label_alignment": alignments.get(node, float("nan")),
                                  "rejected": node in rejected})
-            return out
+            return verdicts
 
     return RecordingScreen
 

@@ -446,7 +446,7 @@ def test_a_penalty_consolidated_before_the_head_grew_holds_nothing_on_the_new_ro
 
     from fedind import wire
     from fedind.config import RunConfig
-    from fedind.server.continual import received_penalty
+    from fedind.continual.site import received_penalty
 
     model = FaultCNN(in_channels=1, num_classes=4, width=8)
     old = {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -479,7 +479,7 @@ def test_a_global_anchor_holds_training_near_the_received_model_and_needs_no_anc
 
     from fedind import wire
     from fedind.config import RunConfig
-    from fedind.server.continual import received_penalty
+    from fedind.continual.site import received_penalty
 
     model = FaultCNN(in_channels=1, num_classes=4, width=8)
     fisher = {"head.weight": np.ones((4, model.head.in_features), np.float32)}
