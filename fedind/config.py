@@ -30,6 +30,7 @@ EWC_ANCHORS = ("phase-end", "global")  # what the EWC penalty holds the kept coo
 YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual.phases)
 COMPRESSIONS = ("none", "topk")
 ENCRYPTIONS = ("none", "paillier")
+PAILLIER_COORDINATES = ("mixed", "change", "random")  # fedind.paillier.sparse.SET_RULES
 
 
 class ConfigError(ValueError):
@@ -91,6 +92,7 @@ class RunConfig:
     paillier_private_key: str = ""  # paillier: the sites' private key file, unless node config paillier-private-key
     paillier_clip: float = 1.0  # paillier: update values are clipped to [-clip, clip] before fixed-point encoding
     paillier_key_bits: int = 2048  # paillier: size of the throwaway key pair that simulate() generates
+    paillier_coordinates: str = "mixed"  # paillier with compression = topk: the round's announced set: mixed (half the largest of the last global change, half random) | change | random
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
     min_sites: int = 1  # a round with fewer successful site updates leaves the global model unchanged
@@ -167,6 +169,7 @@ class RunConfig:
             "encryption": self.encryption in ENCRYPTIONS,
             "paillier-clip": math.isfinite(self.paillier_clip) and self.paillier_clip > 0,
             "paillier-key-bits": self.paillier_key_bits >= 512 and self.paillier_key_bits % 64 == 0,
+            "paillier-coordinates": self.paillier_coordinates in PAILLIER_COORDINATES,
             "device": self.device in ("auto", "cpu", "cuda"),
             "round-timeout": self.round_timeout > 0,
             "min-sites": self.min_sites >= 1,
@@ -297,10 +300,12 @@ class RunConfig:
                 f"send ciphertexts of their updates, which the compressed downlink cannot re-base yet; "
                 f"set downlink = 'none'"
             )
-        if self.compression != "none":
+        # compression = "topk" runs as sparse encrypted rounds: every site encrypts its values on the
+        # server's announced coordinate set (fedind.paillier.sparse); the EF21 estimate cannot.
+        if self.compression == "topk" and self.topk_feedback != "residual":
             raise ConfigError(
-                f"Invalid run config compression = {self.compression!r}: {why}, and top-k updates of "
-                f"different sites cover different coordinates; set compression = 'none'"
+                f"Invalid run config topk-feedback = {self.topk_feedback!r}: {why}, and the EF21 estimate "
+                f"needs each site's sparse change in the clear; set topk-feedback = 'residual'"
             )
         if self.strategy in DWA_STRATEGIES and self.conflict_buffer and self.dwa_momentum == 0:
             raise ConfigError(

@@ -10,6 +10,9 @@ TOKEN = "token"
 ENCRYPTED_UPDATE = "encrypted-update"  # ConfigRecord: site -> server Paillier ciphertexts (fedind.paillier.packing)
 ENCRYPTED_AGGREGATE = "encrypted-aggregate"  # ConfigRecord: server -> decrypting site, the summed ciphertexts
 AGGREGATE = "aggregate"  # ArrayRecord: decrypting site -> server, the decrypted weighted mean delta
+PAILLIER_SET = "paillier-set"  # ConfigRecord, server -> site: the round's coordinate set of a sparse encrypted round
+SET_INDICES = "indices"  # its key: sorted uint32 little-endian indices into the flat model (fedind.paillier.sparse)
+SET_DIGEST = "digest"  # its key: set_digest(indices, model size, round), which the site's payload names
 
 # Error codes of site replies (Flower's ``Error.code``; Flower's own are below 1000), each distinct
 REJECTED_PAYLOAD = 1001  # the server could not decode a sparse (top-k) payload

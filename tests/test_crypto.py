@@ -295,7 +295,7 @@ def _tamper(record: dict, **changes) -> dict:
         (lambda r, k: _tamper(r, key="0" * 64), "key fingerprint 0000000000000000… does not match"),
         (lambda r, k: _tamper(r, count=99), "count 99: expected 40"),
         (lambda r, k: _tamper(r, clip=2.0), "clip 2.0: expected 1.0"),
-        (lambda r, k: _tamper(r, version=1), "version 1: expected 'fedind.paillier' version 2"),
+        (lambda r, k: _tamper(r, version=1), "version 1: expected 'fedind.paillier' version 3"),
         (lambda r, k: _tamper(r, version=True), "version True"),
         (lambda r, k: _tamper(r, kind="aggregate"), "kind 'aggregate'"),
         (lambda r, k: _tamper(r, weight=5), "weight 1 and sites 1"),
@@ -319,7 +319,7 @@ def test_a_payload_of_the_old_layout_or_the_wrong_size_is_refused(key):
     width = key.public.ciphertext_bytes
     old_size = math.ceil(count / ((key.public.bits - 1) // 31)) * width
     old = _tamper(record, version=1, ciphertexts=b"\1" * old_size, **{"slot-bits": 31, "value-max": 2**20 - 1})
-    with pytest.raises(CiphertextError, match="version 1: expected 'fedind.paillier' version 2 .24-bit slots"):
+    with pytest.raises(CiphertextError, match="version 1: expected 'fedind.paillier' version 3 .24-bit slots"):
         parse_record(old, key.public, kind="update", count=count, clip=1.0)
     resized = _tamper(record, ciphertexts=record["ciphertexts"] + record["ciphertexts"][: old_size - len(record["ciphertexts"])])
     with pytest.raises(CiphertextError, match=f"hold {old_size} bytes, expected 5 x 256 = 1280 for 200 values"):
@@ -450,7 +450,8 @@ def test_cli_writes_the_pair_and_never_overwrites(tmp_path, capsys, monkeypatch)
 @pytest.mark.parametrize(
     "settings, key_name",
     [
-        (dict(compression="topk"), "compression"),
+        (dict(compression="topk", topk_feedback="estimate"), "topk-feedback"),
+        (dict(compression="topk", paillier_coordinates="union"), "paillier-coordinates"),
         (dict(strategy="dwa", conflict_buffer=True, dwa_momentum=0.0), "conflict-buffer"),
         (dict(strategy="dwa", conflict_damping=0.5), "conflict-damping"),
         (dict(num_sites=1), "num-sites"),
@@ -470,6 +471,7 @@ def test_features_that_cannot_work_under_encryption_fail_at_start(settings, key_
     "settings",
     [
         dict(strategy="dwa"),  # default DWA: restart momentum acts on the aggregate only
+        dict(compression="topk"),  # sparse encrypted rounds on the announced coordinate set
         dict(strategy="dwa", conflict_buffer=False, dwa_momentum=0.0),
         dict(strategy="fedavgm"),
         dict(strategy="fedadam"),
@@ -479,3 +481,20 @@ def test_features_that_cannot_work_under_encryption_fail_at_start(settings, key_
 )
 def test_features_that_work_under_encryption_are_accepted(settings):
     assert RunConfig(encryption="paillier", **settings).encryption == "paillier"
+
+
+def test_the_packing_headroom_holds_for_the_maximum_number_of_sites_on_a_set(key):
+    """The set changes which values go in, not the slots: K sites at the clip on a set of k
+    values sum to W * 2Q per slot and decode exactly."""
+    from fedind.paillier import sparse
+
+    indices = np.arange(0, 1000, 7)
+    digest = sparse.set_digest(indices, 1000, 4)
+    feedback = sparse.SetFeedback(1.0)
+    levels, clipped = feedback.encode(np.full(1000, 5.0), indices)
+    assert clipped == indices.size and np.all(levels == 2 * packing.VALUE_MAX)
+    vector = packing.encrypt_levels(levels, key, 1.0, coordinates=digest)
+    aggregate = packing.weighted_sum([vector] * packing.MAX_SITES, [1] * packing.MAX_SITES, key.public)
+    assert aggregate.coordinates == digest and aggregate.count == indices.size
+    assert np.all(packing.decrypt_sum(aggregate, key) == 1.0)
+    assert np.allclose(feedback.residual[indices], 4.0) and np.allclose(np.delete(feedback.residual, indices), 5.0)

@@ -263,7 +263,7 @@ def plaintext(reply: Message) -> Message:
         (wrong_fingerprint, "key fingerprint abababababababab… does not match"),
         (out_of_range, "ciphertext 0 is out of range"),
         (plaintext, "carries plaintext arrays"),
-        (old_layout, "version 1: expected 'fedind.paillier' version 2 (24-bit slots"),
+        (old_layout, "version 1: expected 'fedind.paillier' version 3 (24-bit slots"),
         (wrong_size, "truncated or padded"),
     ],
 )
@@ -422,3 +422,200 @@ def test_loopback_simulation_keeps_the_private_key_inside_the_site_agent(tmp_pat
     rows = (tmp_path / "enc" / "rounds.csv").read_text().splitlines()[1:]
     assert summary["rounds"] == 2 and summary["totals"]["failures"] == 0
     assert all(row.split(",")[5] == "3" for row in rows)  # sites aggregated per round
+
+
+# --------------------------------------------------------------------------- sparse encrypted rounds
+
+
+from fedind.paillier import sparse  # noqa: E402
+from fedind.paillier.site import RESIDUAL  # noqa: E402
+
+MODEL_SIZE = sum(int(np.prod(s)) for s in SHAPES.values())  # 87
+
+
+def sparse_config(key_files, **settings) -> RunConfig:
+    values = dict(compression="topk", topk_ratio=0.4, topk_warmup_rounds=0, topk_gain=1.0, num_sites=4)
+    return config(key_files, **{**values, **settings})
+
+
+@pytest.mark.parametrize("rule", sparse.SET_RULES)
+def test_the_announced_set_is_deterministic_and_uses_nothing_per_site(rule):
+    change = np.random.default_rng(0).normal(size=1000)
+    sets = [sparse.announced_set(rule, 7, 1000, 50, seed=3, last_change=change.copy()) for _ in range(2)]
+    assert np.array_equal(*sets) and sets[0].size == 50 and np.all(np.diff(sets[0]) > 0)
+    next_round = sparse.announced_set(rule, 8, 1000, 50, seed=3, last_change=change)
+    assert np.array_equal(sets[0], next_round) == (rule == "change")  # the random part is drawn per round
+    top = set(np.argsort(-np.abs(change))[:50].tolist())
+    share = len(top & set(sets[0].tolist())) / 50
+    assert share == {"random": share, "change": 1.0, "mixed": share}[rule]
+    if rule == "mixed":
+        assert set(np.argsort(-np.abs(change))[:25].tolist()) <= set(sets[0].tolist())
+    # no last change (round 1, or a resumed server): the seeded random set of that round
+    assert np.array_equal(sparse.announced_set(rule, 7, 1000, 50, seed=3),
+                          sparse.announced_set("random", 7, 1000, 50, seed=3))
+
+
+def test_every_site_gets_the_same_set_and_a_second_server_would_announce_it_too(key_files, site_side):
+    cfg = sparse_config(key_files)
+    g = {k: v.astype(np.float32) for k, v in arrays(3).items()}
+    announced = []
+    for _ in range(2):
+        strategy, _ = encrypted_server(cfg, num_sites=4, num_classes=3)
+        messages = list(strategy.configure_train(1, ArrayRecord({k: Array(v) for k, v in g.items()}),
+                                                 ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower())}),
+                                                 SiteGrid(sites_for(g, counts=(1, 2, 3, 4))[0], site_side)))
+        records = {bytes(m.content[wire.PAILLIER_SET][wire.SET_INDICES]) for m in messages}
+        assert len(messages) == 4 and len(records) == 1  # one set for every site
+        announced.append(records.pop())
+    assert announced[0] == announced[1]
+    assert len(announced[0]) // 4 == round(0.4 * MODEL_SIZE)
+
+
+def test_a_sparse_encrypted_round_is_the_mean_on_the_set_and_the_sites_keep_the_rest(key_files, site_side):
+    cfg = sparse_config(key_files, topk_gain=2.0, topk_residual_decay=1.0)
+    strategy, pipeline = encrypted_server(cfg, num_sites=4, num_classes=3)
+    g = arrays(3)
+    counts = (30, 10, 60, 20)
+    sites, locals_ = sites_for(g, counts=counts)
+    new, metrics, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
+    assert traffic.failures == [] and metrics["paillier-coordinates"] == 35
+    on = strategy.coordinates
+    flat = lambda d: np.concatenate([np.asarray(d[k], np.float64).ravel() for k in sorted(d)])  # noqa: E731
+    deltas = [flat(loc) - flat(g) for loc in locals_]
+    k = packing.integer_weights(list(counts))
+    expected = np.zeros(MODEL_SIZE)
+    expected[on] = 2.0 * np.average([np.clip(d[on], -CLIP, CLIP) for d in deltas], axis=0, weights=k)
+    got = flat({name: new[name].numpy() for name in new}) - flat(g)
+    assert np.abs(got - expected).max() <= 2.0 * packing.quantisation_bound(CLIP) + 1e-6
+    assert np.all(got[np.setdiff1d(np.arange(MODEL_SIZE), on)] == 0)
+    # each site keeps what it did not send: its delta off the set, the clipped excess and the rounding
+    for site, delta in zip(sites, deltas):
+        residual = site.context.state[RESIDUAL]["residual"].numpy().astype(np.float64)
+        off = np.setdiff1d(np.arange(MODEL_SIZE), on)
+        assert np.allclose(residual[off], delta[off], atol=1e-6)
+        assert np.all(np.abs(residual[on] - (delta[on] - np.clip(delta[on], -CLIP, CLIP))) <= CLIP / packing.VALUE_MAX + 1e-6)
+    # the uplink: ceil(35 / slots) ciphertexts per site instead of ceil(87 / slots)
+    key = keys.load_public_key(key_files[2])
+    assert key.num_ciphertexts(35) < key.num_ciphertexts(MODEL_SIZE)
+
+
+def wrong_set(reply: Message, key) -> Message:
+    reply.content[wire.ENCRYPTED_UPDATE]["set"] = "ab" * 32
+    return reply
+
+
+def dense_version_2(reply: Message, key) -> Message:
+    """A site that encrypts every coordinate in the old layout (version 2, no set)."""
+    record = dict(reply.content[wire.ENCRYPTED_UPDATE])
+    record.pop("set")
+    blob = b"\x01" * key.num_ciphertexts(MODEL_SIZE) * key.ciphertext_bytes
+    reply.content[wire.ENCRYPTED_UPDATE] = ConfigRecord({**record, "version": 2, "count": MODEL_SIZE, "ciphertexts": blob})
+    return reply
+
+
+def one_value_short(reply: Message, key) -> Message:
+    record = reply.content[wire.ENCRYPTED_UPDATE]
+    record["count"] = record["count"] - 1
+    return reply
+
+
+def extra_ciphertext(reply: Message, key) -> Message:
+    record = reply.content[wire.ENCRYPTED_UPDATE]
+    record["ciphertexts"] = record["ciphertexts"] + record["ciphertexts"][-key.ciphertext_bytes:]
+    return reply
+
+
+@pytest.mark.parametrize(
+    "cheat, reason",
+    [
+        (wrong_set, "coordinate set: version 3 payload of set abababababababab…, expected the announced set"),
+        (dense_version_2, "version 2 payload of every coordinate (dense), expected the announced set"),
+        (one_value_short, "count 34: expected 35"),
+        (extra_ciphertext, "truncated or padded"),
+    ],
+)
+def test_a_payload_of_the_wrong_set_or_size_is_a_logged_failure_and_the_round_goes_on(
+    key_files, site_side, flwr_logs, cheat, reason
+):
+    cfg = sparse_config(key_files)
+    strategy, pipeline = encrypted_server(cfg, num_sites=4, num_classes=3)
+    g = arrays(3)
+    sites, locals_ = sites_for(g, counts=(30, 10, 60, 20))
+    sites[3].cheat = lambda reply: cheat(reply, key_files[0].public)
+    new, _, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
+    assert len(traffic.failures) == 1 and "rejected encrypted update" in traffic.failures[0]
+    assert reason in traffic.failures[0]
+    assert reason in " ".join(r.getMessage() for r in flwr_logs.records)
+    assert new is not None  # the three good sites are aggregated
+    assert metrics_sites(strategy, new, g) == 35
+
+
+def metrics_sites(strategy, new, g) -> int:
+    changed = np.concatenate([(new[k].numpy() != g[k]).ravel() for k in sorted(g)])
+    assert not changed[np.setdiff1d(np.arange(MODEL_SIZE), strategy.coordinates)].any()
+    return int(strategy.coordinates.size)
+
+
+def test_a_dense_version_2_payload_is_still_read_in_a_dense_round(key_files, site_side):
+    def as_version_2(reply: Message) -> Message:
+        record = dict(reply.content[wire.ENCRYPTED_UPDATE])
+        assert record.pop("set") == ""
+        reply.content[wire.ENCRYPTED_UPDATE] = ConfigRecord({**record, "version": 2})
+        return reply
+
+    cfg = config(key_files, num_sites=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(3)
+    sites, locals_ = sites_for(g, cheat=as_version_2)
+    new, _, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
+    assert traffic.failures == []
+    assert close(new, oracle(g, locals_, packing.integer_weights([30, 10, 60]))) <= packing.quantisation_bound(CLIP) + 1e-6
+
+
+def test_a_site_refuses_an_instruction_whose_digest_does_not_name_its_set(key_files, site_side):
+    cfg = sparse_config(key_files)
+    g = arrays(3)
+    site = sites_for(g, counts=(5,))[0][0]
+    indices = np.arange(0, MODEL_SIZE, 3)
+    content = RecordDict({
+        wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in g.items()}),
+        wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower()), wire.SERVER_ROUND: 2}),
+        wire.PAILLIER_SET: ConfigRecord({wire.SET_INDICES: sparse.indices_to_bytes(indices),
+                                         wire.SET_DIGEST: sparse.set_digest(indices, MODEL_SIZE, 1)}),  # round 1's
+    })
+    msg = Message(content, dst_node_id=site.node_id, message_type=MessageType.TRAIN)
+    site_side["site"] = True
+    try:
+        reply = site.handle(msg)
+    finally:
+        site_side["site"] = False
+    assert reply.has_error() and reply.error.code == REJECTED_CIPHERTEXT and "digest" in reply.error.reason
+
+
+def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, key_files, site_side):
+    """Sparse encrypted rounds end to end on the loopback runtime, real ciphertexts: every
+    round aggregates every site, and the uplink is the set's ciphertexts, not the model's."""
+    from fedind.site.app import app
+    from fedind.simulation import simulate
+
+    _, private_path, public_path = key_files
+
+    def site_agent(message, context):
+        site_side["site"] = True
+        try:
+            return app(message, context)
+        finally:
+            site_side["site"] = False
+
+    common = dict(
+        num_server_rounds=3, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
+        model_width=8, device="cpu", strategy="dwa", encryption="paillier", paillier_public_key=str(public_path),
+        paillier_private_key=str(private_path), run_dir=str(tmp_path), topk_warmup_rounds=0, topk_ratio=0.05,
+    )
+    summaries = {name: simulate(RunConfig(**common, run_name=name, **extra), client_app=site_agent, runtime="loopback")
+                 for name, extra in (("sparse", dict(compression="topk")), ("dense", {}))}
+    for name, summary in summaries.items():
+        rows = (tmp_path / name / "rounds.csv").read_text().splitlines()[1:]
+        assert summary["rounds"] == 3 and summary["totals"]["failures"] == 0
+        assert all(row.split(",")[5] == "3" for row in rows)  # sites aggregated per round
+    assert summaries["sparse"]["totals"]["uplink_bytes"] * 8 < summaries["dense"]["totals"]["uplink_bytes"]

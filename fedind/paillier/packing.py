@@ -4,7 +4,7 @@ No Flower import: the Flower plumbing is :mod:`fedind.paillier.site` (client mod
 query) and :mod:`fedind.server.encrypted` (server validation and aggregation); the keys are
 :mod:`fedind.paillier.keys`. Arithmetic is phe's Paillier with gmpy2 underneath.
 
-Fixed point, clipping, packing (layout version 2)
+Fixed point, clipping, packing (layout version 3; version 2 is the same without ``set``)
 -------------------------------------------------
 A site's update ``delta`` (float32, all arrays of the model flattened in sorted-name order)
 is clipped to ``[-c, c]`` (``c`` = ``paillier-clip``) and rounded stochastically to
@@ -46,10 +46,14 @@ Payload (ConfigRecord, no pickle)
 key               type    meaning
 ================  ======  ============================================================
 ``format``        str     ``"fedind.paillier"``
-``version``       int     layout version, ``2`` (version 1: 31-bit slots, refused)
+``version``       int     layout version, ``3`` (version 2: the same slots, no ``set``, read
+                          as a dense payload; version 1: 31-bit slots, refused)
 ``kind``          str     ``"update"`` (site -> server) or ``"aggregate"`` (server -> site)
 ``key``           str     key fingerprint: SHA-256 of ``n`` (big-endian bytes), hex
-``count``         int     number of values (the model's parameters)
+``count``         int     number of values (the model's parameters, or ``k`` on a set)
+``set``           str     ``""``: every coordinate (dense); else the digest of the round's
+                          announced coordinate set (:func:`fedind.paillier.sparse.set_digest`),
+                          the values in the order of the set
 ``slot-bits``     int     24
 ``value-max``     int     Q = 2**13 - 1
 ``clip``          float   c
@@ -91,16 +95,18 @@ __all__ = [
 ]
 
 FORMAT = "fedind.paillier"
-VERSION = 2
+VERSION = 3
+DENSE_VERSION = 2  # read as a dense payload: version 3 without "set"
 WEIGHT_BITS = 10
 MAX_SITES = 2**WEIGHT_BITS  # K: the integer weights of a sum add up to at most this
 MIN_SITES = 2  # an aggregate of fewer sites would be one site's update
 VALUE_BITS = SLOT_BITS - 1 - WEIGHT_BITS  # 13
 VALUE_MAX = 2**VALUE_BITS - 1  # Q
 KINDS = ("update", "aggregate")
-RECORD_KEYS = frozenset(
+DENSE_KEYS = frozenset(
     {"format", "version", "kind", "key", "count", "slot-bits", "value-max", "clip", "weight", "sites", "ciphertexts"}
 )
+RECORD_KEYS = DENSE_KEYS | {"set"}
 
 
 class CiphertextError(ValueError):
@@ -242,7 +248,8 @@ def _obfuscators_in_worker(args: tuple) -> list[int]:
 
 @dataclass(frozen=True)
 class EncryptedVector:
-    """Packed ciphertexts of ``count`` values under the key ``fingerprint`` (layout v2)."""
+    """Packed ciphertexts of ``count`` values under the key ``fingerprint`` (layout v3);
+    ``coordinates``: the digest of the announced set they are the values of (``""``: dense)."""
 
     kind: str
     fingerprint: str
@@ -251,6 +258,7 @@ class EncryptedVector:
     weight: int
     sites: int
     ciphertexts: list[int]
+    coordinates: str = ""
 
     def to_config(self, key: PublicKey) -> dict:
         """The ConfigRecord content (module docstring); ``key`` gives the ciphertext width."""
@@ -266,20 +274,23 @@ class EncryptedVector:
             "clip": float(self.clip),
             "weight": int(self.weight),
             "sites": int(self.sites),
+            "set": self.coordinates,
             "ciphertexts": b"".join(int(c).to_bytes(width, "big") for c in self.ciphertexts),
         }
 
 
 def encrypt_levels(
-    levels: np.ndarray, key: PrivateKey, clip: float, pool: ObfuscatorPool | None = None
+    levels: np.ndarray, key: PrivateKey, clip: float, pool: ObfuscatorPool | None = None, coordinates: str = ""
 ) -> EncryptedVector:
-    """Pack ``levels`` (from :func:`quantise`) and encrypt: ``(1 + m n) y mod n^2``."""
+    """Pack ``levels`` (from :func:`quantise`) and encrypt: ``(1 + m n) y mod n^2``;
+    ``coordinates``: the digest of the announced set the levels are on (``""``: dense)."""
     pub = key.public
     plaintexts = pack(levels, pub.slots)
     obfuscators = (pool or ObfuscatorPool(key)).take(len(plaintexts))
     n, n2 = gmpy2.mpz(pub.n), gmpy2.mpz(pub.n_square)
     ciphertexts = [int(((1 + m * n) % n2) * r % n2) for m, r in zip(plaintexts, obfuscators)]
-    return EncryptedVector("update", pub.fingerprint, int(np.size(levels)), float(clip), 1, 1, ciphertexts)
+    return EncryptedVector("update", pub.fingerprint, int(np.size(levels)), float(clip), 1, 1, ciphertexts,
+                           str(coordinates))
 
 
 def integer_weights(weights: Sequence[float], total: int = MAX_SITES) -> list[int]:
@@ -318,8 +329,10 @@ def weighted_sum(vectors: Sequence[EncryptedVector], weights: Sequence[int], key
     for v in vectors:
         if v.kind != "update" or v.fingerprint != key.fingerprint:
             raise CiphertextError("weighted_sum takes updates under the server's key only")
-        if v.count != first.count or v.clip != first.clip or len(v.ciphertexts) != len(first.ciphertexts):
-            raise CiphertextError("encrypted updates of one round differ in count, clip or length")
+        if (v.count, v.clip, len(v.ciphertexts), v.coordinates) != (
+            first.count, first.clip, len(first.ciphertexts), first.coordinates
+        ):
+            raise CiphertextError("encrypted updates of one round differ in count, clip, length or coordinate set")
     n2 = gmpy2.mpz(key.n_square)
     terms = [(v.ciphertexts, k) for v, k in zip(vectors, weights) if k > 0]
     out = []
@@ -328,7 +341,8 @@ def weighted_sum(vectors: Sequence[EncryptedVector], weights: Sequence[int], key
         for cts, k in terms:
             acc = acc * (cts[j] if k == 1 else gmpy2.powmod(cts[j], k, n2)) % n2
         out.append(int(acc))
-    return EncryptedVector("aggregate", key.fingerprint, first.count, first.clip, sum(weights), len(terms), out)
+    return EncryptedVector("aggregate", key.fingerprint, first.count, first.clip, sum(weights), len(terms), out,
+                           first.coordinates)
 
 
 def decrypt_sum(aggregate: EncryptedVector, key: PrivateKey) -> np.ndarray:
@@ -354,26 +368,39 @@ def decrypt_sum(aggregate: EncryptedVector, key: PrivateKey) -> np.ndarray:
 
 
 def parse_record(
-    record: Mapping, key: PublicKey, *, kind: str, count: int | None = None, clip: float | None = None
+    record: Mapping, key: PublicKey, *, kind: str, count: int | None = None, clip: float | None = None,
+    coordinates: str | None = None,
 ) -> EncryptedVector:
     """Validate a ConfigRecord (as a mapping) against ``key``; CiphertextError names the fault.
 
-    Checks keys, format, version, kind, key fingerprint, layout constants, ``count`` and
-    ``clip`` (when given: what the server expects), weight/sites ranges, the exact byte
+    Checks keys, format, version (3, or 2 read as dense), kind, key fingerprint, layout
+    constants, the coordinate set, ``count`` and ``clip`` (when given: what the server
+    expects; ``coordinates``: the announced set's digest, ``""`` dense), weight/sites ranges, the exact byte
     length (``ceil(count / S)`` ciphertexts of fixed width) and every ciphertext in
     ``[1, n^2)``.
     """
     if not isinstance(record, Mapping):
         raise CiphertextError(f"encrypted payload must be a ConfigRecord, got {type(record).__name__}")
-    keys = set(record)
-    if keys != RECORD_KEYS:
+    version = record.get("version")
+    if record.get("format") != FORMAT or type(version) is not int or version not in (DENSE_VERSION, VERSION):
         raise CiphertextError(
-            f"encrypted payload keys: missing {sorted(RECORD_KEYS - keys)}, unexpected {sorted(keys - RECORD_KEYS)}"
+            f"format {record.get('format')!r} version {version!r}: expected {FORMAT!r} version {VERSION} "
+            f"({SLOT_BITS}-bit slots, with a coordinate set; or {DENSE_VERSION}, dense; the server and every "
+            f"site must run the same packing layout)"
         )
-    if record["format"] != FORMAT or type(record["version"]) is not int or record["version"] != VERSION:
+    expected_keys = RECORD_KEYS if version == VERSION else DENSE_KEYS
+    keys = set(record)
+    if keys != expected_keys:
         raise CiphertextError(
-            f"format {record['format']!r} version {record['version']!r}: expected {FORMAT!r} version {VERSION} "
-            f"({SLOT_BITS}-bit slots; the server and every site must run the same packing layout)"
+            f"encrypted payload keys: missing {sorted(expected_keys - keys)}, unexpected {sorted(keys - expected_keys)}"
+        )
+    named = record["set"] if version == VERSION else ""
+    if not isinstance(named, str) or (coordinates is not None and named != coordinates):
+        what = "every coordinate (dense)" if coordinates == "" else f"the announced set {str(coordinates)[:16]}…"
+        got = "every coordinate (dense)" if named == "" else f"set {str(named)[:16]}…"
+        raise CiphertextError(
+            f"coordinate set: version {version} payload of {got}, expected {what} "
+            f"(a stale reply, or a site that did not encrypt the round's set)"
         )
     if record["kind"] != kind:
         raise CiphertextError(f"kind {record['kind']!r}: expected {kind!r}")
@@ -418,4 +445,4 @@ def parse_record(
             raise CiphertextError(f"ciphertext {i} is out of range (must lie in [1, n^2))")
         if gmpy2.gcd(ct, key.n) != 1:
             raise CiphertextError(f"ciphertext {i} is not a unit mod n^2 (shares a factor with n)")
-    return EncryptedVector(kind, key.fingerprint, n, c, int(weight), int(sites), ciphertexts)
+    return EncryptedVector(kind, key.fingerprint, n, c, int(weight), int(sites), ciphertexts, named)

@@ -1,5 +1,7 @@
 """Paillier-encrypted aggregation at the site: the client mod that sends the encrypted,
-packed delta instead of weights, and the query handler that decrypts the round's weighted
+packed delta instead of weights (all of it, or with ``compression = "topk"`` its values on
+the round's announced coordinate set, the rest kept in an error-feedback residual:
+:mod:`fedind.paillier.sparse`), and the query handler that decrypts the round's weighted
 sum. The round and the server's half: :mod:`fedind.server.encrypted`; the maths:
 :mod:`fedind.paillier.packing`; the key files: :mod:`fedind.paillier.keys`.
 """
@@ -15,6 +17,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from .. import wire
 from ..config import RunConfig
 from .keys import KeyFileError, PrivateKey, load_private_key
+from .sparse import SetFeedback, indices_from_bytes, set_digest
 from .packing import (
     MIN_SITES,
     CiphertextError,
@@ -28,6 +31,30 @@ from .packing import (
 PRIVATE_KEY_NODE_CONFIG = "paillier-private-key"  # node config: this site's private key file
 REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
 SITE_KEY_MISSING = wire.SITE_KEY_MISSING  # the code's table: fedind.wire
+RESIDUAL = "paillier-residual"  # context.state ArrayRecord {"residual": float32 [model size]}: SetFeedback's
+
+
+def announced(msg: Message, count: int) -> tuple[np.ndarray, str]:
+    """The coordinate set of a sparse encrypted round's train instruction and its digest,
+    recomputed here (CiphertextError when the record is malformed or names another set)."""
+    record = msg.content.config_records.get(wire.PAILLIER_SET)
+    if record is None:
+        raise CiphertextError(f"compression = 'topk' under encryption but no {wire.PAILLIER_SET!r} record")
+    try:
+        indices = indices_from_bytes(record[wire.SET_INDICES], count)
+    except (KeyError, ValueError) as err:
+        raise CiphertextError(f"announced set: {err}") from None
+    digest = set_digest(indices, count, int(msg.content[wire.CONFIG][wire.SERVER_ROUND]))
+    if record.get(wire.SET_DIGEST) != digest:
+        raise CiphertextError("announced set: the digest does not name the indices sent")
+    return indices, digest
+
+
+def _load_feedback(context: Context, config: RunConfig) -> SetFeedback:
+    feedback = SetFeedback(config.paillier_clip, config.topk_residual_decay)
+    if RESIDUAL in context.state:
+        feedback.load_state_dict({"residual": context.state[RESIDUAL]["residual"].numpy()})
+    return feedback
 
 
 def site_private_key(context: Context, config: RunConfig) -> PrivateKey:
@@ -68,15 +95,27 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
     except KeyFileError as err:
         return Message(Error(code=SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
     sent = msg.content[wire.ARRAYS]
+    indices, digest = None, ""
+    if config.compression == "topk":
+        try:
+            indices, digest = announced(msg, model_size(sent))
+        except CiphertextError as err:
+            return Message(Error(code=REJECTED_CIPHERTEXT, reason=f"refused the train instruction: {err}"), reply_to=msg)
     pool = ObfuscatorPool(key)
-    pool.fill_async(key.public.num_ciphertexts(model_size(sent)))
+    pool.fill_async(key.public.num_ciphertexts(model_size(sent) if indices is None else indices.size))
     reply = call_next(msg, context)
     if reply.has_error():
         pool.wait()
         return reply
     started = time.perf_counter()
-    levels, clipped = quantise(flat_delta(sent, reply.content[wire.ARRAYS]), config.paillier_clip)
-    vector = encrypt_levels(levels, key, config.paillier_clip, pool)
+    delta = flat_delta(sent, reply.content[wire.ARRAYS])
+    if indices is None:
+        levels, clipped = quantise(delta, config.paillier_clip)
+    else:
+        feedback = _load_feedback(context, config)
+        levels, clipped = feedback.encode(delta, indices)
+        context.state[RESIDUAL] = ArrayRecord({"residual": Array(feedback.residual)})
+    vector = encrypt_levels(levels, key, config.paillier_clip, pool, coordinates=digest)
     content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})
     content[wire.ENCRYPTED_UPDATE] = ConfigRecord(vector.to_config(key.public))
     content[wire.METRICS][wire.ENCRYPT_SECONDS] = time.perf_counter() - started

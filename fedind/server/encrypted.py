@@ -19,6 +19,14 @@ One round with ``encryption = "paillier"``::
             the weighted scalar metrics -> the inner strategy's aggregate_train (server
             momentum, FedAdam, DWA's momentum restart all act on the aggregate as usual)
 
+Sparse encrypted rounds (``compression = "topk"``): ``configure_train`` adds the round's
+coordinate set ``I_t`` (``paillier-set`` record: :func:`fedind.paillier.sparse.announced_set`
+from the last global change and/or a seed, never from anything per site) to every train
+instruction; each site encrypts its values on ``I_t`` only (its residual keeps the rest); a
+payload naming another set or carrying another number of values is refused like any bad
+ciphertext; the decrypted mean on ``I_t``, times ``topk-gain``, is scattered into a dense
+delta (zero elsewhere) for the wrapped strategy.
+
 The server never loads a private key (:func:`fedind.paillier.keys.load_public_key` refuses one);
 it learns the round's weighted mean update, never a single site's. An aggregate of fewer
 than two sites is not decrypted (it would be that site's update).
@@ -27,7 +35,7 @@ than two sites is not decrypted (it would be that site's update).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 
 import numpy as np
@@ -42,6 +50,8 @@ from ..aggregation.weighting import GlobalHistogram, dwa_weights
 from ..config import DWA_STRATEGIES, ConfigError, RunConfig
 from ..paillier.keys import KeyFileError, PublicKey, load_public_key
 from ..paillier.packing import MAX_SITES, MIN_SITES, CiphertextError, EncryptedVector, integer_weights, weighted_sum
+from ..paillier.sparse import SET_RULES, announced_set, indices_to_bytes, set_digest
+from ..topk.selection import warmup_ratio
 from .pipeline import Rejected, ReplyPipeline, SiteUpdate, decode_reply, update_of
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .screening import InvalidUpdate as InvalidReply
@@ -51,6 +61,30 @@ DECRYPT_ATTEMPTS = 3  # sites asked in turn when a decrypt query fails
 
 
 # --------------------------------------------------------------------------- server
+
+
+@dataclass(frozen=True)
+class SparseRounds:
+    """How a sparse encrypted round's set is chosen: ``k = round(warmup_ratio(ratio, t,
+    warmup_rounds) * N)`` coordinates by ``rule`` (:data:`~fedind.paillier.sparse.SET_RULES`)
+    with ``seed``; the decrypted mean is scaled by ``gain`` (as ``topk-gain``)."""
+
+    ratio: float
+    warmup_rounds: int
+    rule: str
+    seed: int
+    gain: float
+
+    def __post_init__(self) -> None:
+        if self.rule not in SET_RULES:
+            raise ValueError(f"Invalid rule value: {self.rule!r} (expected one of {SET_RULES})")
+        if not (0 < self.ratio <= 1 and self.gain > 0 and self.warmup_rounds >= 0):
+            raise ValueError(f"Invalid sparse rounds: {self!r}")
+
+
+def flat_model(arrays: ArrayRecord) -> np.ndarray:
+    """All arrays, sorted by name, flattened (float64): the order the sites encrypt in."""
+    return np.concatenate([np.asarray(arrays[name].numpy(), np.float64).ravel() for name in sorted(arrays)])
 
 
 class SecureAggregation(Strategy):
@@ -75,6 +109,7 @@ class SecureAggregation(Strategy):
         timeout: float,
         dwa: Mapping | None = None,
         num_classes: int | None = None,
+        sparse: SparseRounds | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(key, PublicKey):
@@ -90,12 +125,20 @@ class SecureAggregation(Strategy):
         self.arrays: ArrayRecord | None = None
         self.train_config: ConfigRecord | None = None
         self.instructions: dict[int, Message] = {}
+        self.sparse = sparse
+        self.coordinates: np.ndarray | None = None  # this round's announced set (sparse rounds)
+        self._last_global: np.ndarray | None = None  # the model sent last round (flat), for the change
 
     def summary(self) -> None:
         log(INFO, "\t├──> Paillier-encrypted aggregation:")
         log(INFO, "\t│\t├── Public key: %d bits, fingerprint %s…", self.key.bits, self.key.fingerprint[:16])
         log(INFO, "\t│\t├── Packing: %d values per ciphertext, clip %s", self.key.slots, self.clip)
-        log(INFO, "\t│\t└── Site weights: %s", "DWA (KL of label histograms)" if self.dwa else "num-examples")
+        log(INFO, "\t│\t├── Site weights: %s", "DWA (KL of label histograms)" if self.dwa else "num-examples")
+        if self.sparse is None:
+            log(INFO, "\t│\t└── Coordinates: all (dense)")
+        else:
+            log(INFO, "\t│\t└── Coordinates: announced set of %s of the model per round (%s), gain %s",
+                self.sparse.ratio, self.sparse.rule, self.sparse.gain)
         self.strategy.summary()
 
     def configure_train(
@@ -104,7 +147,23 @@ class SecureAggregation(Strategy):
         messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
         self.grid, self.arrays, self.train_config = grid, arrays, config
         self.instructions = {m.metadata.dst_node_id: m for m in messages}
+        if self.sparse is not None:
+            record = self._announce(server_round, arrays)
+            for message in messages:
+                message.content[wire.PAILLIER_SET] = record
         return messages
+
+    def _announce(self, server_round: int, arrays: ArrayRecord) -> ConfigRecord:
+        """The round's coordinate set (from the last global change and the seed only)."""
+        flat = flat_model(arrays)
+        last = self._last_global
+        change = flat - last if last is not None and last.size == flat.size else None
+        self._last_global = flat
+        k = max(1, int(round(warmup_ratio(self.sparse.ratio, server_round, self.sparse.warmup_rounds) * flat.size)))
+        self.coordinates = announced_set(self.sparse.rule, server_round, int(flat.size), k,
+                                         seed=self.sparse.seed, last_change=change)
+        digest = set_digest(self.coordinates, int(flat.size), server_round)
+        return ConfigRecord({wire.SET_INDICES: indices_to_bytes(self.coordinates), wire.SET_DIGEST: digest})
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -130,6 +189,10 @@ class SecureAggregation(Strategy):
         mean = self._decrypt(server_round, aggregate, [u.node_id for u in updates])
         if mean is None:
             return None, None
+        if self.sparse is not None:  # the mean on the announced set, scattered into a dense delta
+            dense = np.zeros(self._last_global.size, dtype=np.float32)
+            dense[self.coordinates] = mean * np.float32(self.sparse.gain)
+            mean = dense
         arrays, metrics = self.strategy.aggregate_train(server_round, [self._as_reply(updates, mean)])
         if metrics is not None:
             metrics.pop(wire.CONFLICT_SHARE, None)  # per-site signs are hidden: not measured
@@ -150,7 +213,8 @@ class SecureAggregation(Strategy):
         """The round's typed updates (the pipeline's; decoded here only without one) that
         carry ciphertexts, one per site id."""
         num_classes = self.num_classes if self.global_histogram is not None else None
-        decode = lambda r: decode_reply(None, r, self.arrays, num_classes=num_classes, cipher=(self.key, self.clip))  # noqa: E731
+        decode = lambda r: decode_reply(self.instructions.get(r.metadata.src_node_id), r, self.arrays,  # noqa: E731
+                                        num_classes=num_classes, cipher=(self.key, self.clip))
         updates: list[SiteUpdate] = []
         seen: set[str] = set()
         for reply in replies:
@@ -235,6 +299,8 @@ class SecureAggregation(Strategy):
         metrics = aggregate_metricrecords(records, wire.NUM_EXAMPLES)
         metrics[wire.NUM_EXAMPLES] = float(sum(u.num_examples for u in updates))
         metrics["paillier-sites"] = len(updates)
+        if self.coordinates is not None:
+            metrics["paillier-coordinates"] = int(self.coordinates.size)
         content = RecordDict({wire.ARRAYS: ArrayRecord({n: arrays[n] for n in self.arrays}), wire.METRICS: metrics})
         return Message(content, reply_to=self.instructions[updates[0].node_id])
 
@@ -283,7 +349,12 @@ def encrypted_server(
         dwa = {"temperature": config.dwa_temperature, "floor": config.dwa_floor}
         inner_config = replace(config, dwa_weighting=False)  # it sees one reply: weights here
     inner = build_strategy(inner_config, num_sites, num_classes)
+    sparse = None
+    if config.compression == "topk":
+        sparse = SparseRounds(config.topk_ratio, config.topk_warmup_rounds, config.paillier_coordinates,
+                              config.seed, config.topk_gain)
     strategy = SecureAggregation(
-        inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes
+        inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes,
+        sparse=sparse,
     )
     return strategy, ReplyPipeline(num_classes, cipher=(key, config.paillier_clip))

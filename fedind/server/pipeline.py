@@ -124,8 +124,12 @@ def decode_reply(
                     "encryption = 'paillier' but the reply carries plaintext arrays or no "
                     f"{wire.ENCRYPTED_UPDATE!r} record (is the site running without the fedind mods?)"
                 )
-            count = int(sum(int(np.prod(a.shape)) for a in sent.values()))
-            vector = parse_record(content[wire.ENCRYPTED_UPDATE], key, kind="update", count=count, clip=clip)
+            count, coordinates = int(sum(int(np.prod(a.shape)) for a in sent.values())), ""
+            announced = None if instruction is None else instruction.content.config_records.get(wire.PAILLIER_SET)
+            if announced is not None:  # a sparse round: k values on the set this site was sent
+                count, coordinates = len(announced[wire.SET_INDICES]) // 4, str(announced[wire.SET_DIGEST])
+            vector = parse_record(content[wire.ENCRYPTED_UPDATE], key, kind="update", count=count, clip=clip,
+                                  coordinates=coordinates)
         except CiphertextError as err:
             raise Rejected(wire.REJECTED_CIPHERTEXT, f"rejected encrypted update: {err}") from None
         return _typed(reply, sent, num_classes, vector, None)
