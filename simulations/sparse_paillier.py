@@ -89,7 +89,8 @@ def main(argv: list[str]) -> None:
     dense_last = statistics.mean(r["uplink_bytes_per_round"][-1] for r in dense) if dense else None
     lines = [
         f"{base.strategy}, {base.num_server_rounds} rounds, {base.num_sites} sites, one phase, topk-ratio "
-        f"{base.topk_ratio} (warm-up {base.topk_warmup_rounds} rounds), 2048-bit key; seeds "
+        f"{base.topk_ratio} (sparse encrypted: {args.sparse_ratio or base.topk_ratio}; warm-up "
+        f"{base.topk_warmup_rounds} rounds), 2048-bit key; seeds "
         f"{', '.join(map(str, args.seeds))}.",
         "",
         "| variant | final acc. per seed | mean ± sd | uplink kB/round after warm-up | mean over the run | dense enc. / this |",
