@@ -70,7 +70,7 @@ def announced_set(
 
 def set_digest(indices: np.ndarray, count: int, server_round: int) -> str:
     """Hex SHA-256 naming the set of ``server_round`` over a model of ``count`` values."""
-    digest = hashlib.sha256(b"fedind.paillier.set\0")
+    digest = hashlib.sha256(b"fedind-paillier-set\0")
     digest.update(np.array([server_round, count, np.size(indices)], dtype="<u8").tobytes())
     digest.update(indices_to_bytes(indices))
     return digest.hexdigest()
