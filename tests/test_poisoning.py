@@ -157,3 +157,83 @@ def test_peer_cosines_weight_peers_by_label_overlap_and_normalise_them():
 def test_peer_cosines_refuse_bad_histograms(histograms):
     with pytest.raises(ValueError, match="Invalid"):
         peer_cosines([np.ones(2), np.ones(2)], histograms)
+
+
+# --------------------------------------------------------------------------- colluding and targeted attacks
+
+
+@pytest.mark.parametrize("text, attack", [("alie1.5", Attack("alie", 1.5)), ("ipm10", Attack("ipm", 10)),
+                                          ("minmax", Attack("minmax", 1)), ("minsum", Attack("minsum", 1)),
+                                          ("labelflip3", Attack("labelflip", 3))])
+def test_adaptive_attack_names_round_trip(text, attack):
+    assert Attack.parse(text) == attack and attack.name == text
+
+
+@pytest.mark.parametrize("text", ["minmax2", "labelflip1.5", "alie", "ipm0"])
+def test_invalid_adaptive_attacks_are_refused(text):
+    with pytest.raises(ValueError, match="Invalid"):
+        Attack.parse(text)
+
+
+HONEST = np.random.default_rng(7).normal(size=(6, 5))
+
+
+def test_alie_and_ipm_against_their_formulas():
+    from simulations.poisoning import colluding_update
+
+    mu, sigma = HONEST.mean(axis=0), HONEST.std(axis=0)
+    np.testing.assert_allclose(colluding_update(HONEST, Attack("alie", 1.5)), mu - 1.5 * sigma)
+    np.testing.assert_allclose(colluding_update(HONEST, Attack("ipm", 4)), -4 * mu)
+
+
+@pytest.mark.parametrize("kind", ["minmax", "minsum"])
+def test_minmax_and_minsum_stay_inside_the_honest_spread_at_its_edge(kind):
+    from simulations.poisoning import colluding_update
+
+    mu, sigma = HONEST.mean(axis=0), HONEST.std(axis=0)
+    sq = ((HONEST[:, None] - HONEST[None]) ** 2).sum(axis=2)
+    bound = sq.max() if kind == "minmax" else sq.sum(axis=1).max()
+
+    def figure(m):
+        d2 = ((HONEST - m) ** 2).sum(axis=1)
+        return d2.max() if kind == "minmax" else d2.sum()
+
+    m = colluding_update(HONEST, Attack(kind, 1))
+    gamma = float(np.mean((mu - m) / sigma))
+    np.testing.assert_allclose(m, mu - gamma * sigma)
+    assert gamma > 0 and figure(m) <= bound * (1 + 1e-9)
+    assert figure(mu - 1.01 * gamma * sigma) > bound  # the largest such gamma
+
+
+@pytest.mark.usefixtures("flower_task_identity")
+def test_collude_replaces_the_attackers_replies_only():
+    from tests.test_screening import GLOBAL, honest, instruction, reply
+
+    from simulations.poisoning import collude, colluding_update
+
+    instructions = {node: instruction(node) for node in range(1, 6)}
+    replies = [reply(instructions[n], honest(n)) for n in range(1, 6)]
+    out = collude(instructions, replies, Attack("ipm", 2), {"node-4", "node-5"})
+    names = sorted(GLOBAL)
+    flat = np.stack([np.concatenate([(honest(n)[k].astype(np.float64) - GLOBAL[k]).ravel() for k in names])
+                     for n in range(1, 6)])
+    expected = colluding_update(flat, Attack("ipm", 2))
+    for k, r in enumerate(out):
+        got = np.concatenate([(r.content[wire.ARRAYS][n].numpy().astype(np.float64) - GLOBAL[n]).ravel() for n in names])
+        if k < 3:
+            assert r is replies[k]
+        else:
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+            assert r.metadata.src_node_id == k + 1
+            assert r.content[wire.METRICS][wire.NUM_EXAMPLES] == 10  # the rest of the reply stays
+
+
+def test_labelflip_relabels_one_class_as_healthy_at_the_attacked_sites_only():
+    from fedind.data.format import SiteArrays
+    from fedind.data.sources import SiteData
+    from simulations.poisoning import relabelled
+
+    data = SiteData("line-00", SiteArrays(np.zeros((5, 1, 2), np.float32), np.array([0, 1, 2, 2, 3])), None)
+    load = relabelled(lambda context, config, phase=0: data, sites=(0,), target=2)
+    assert load(_context(0), None).train.y.tolist() == [0, 1, 0, 0, 3]
+    assert load(_context(3), None).train.y.tolist() == [0, 1, 2, 2, 3]
