@@ -246,7 +246,9 @@ def collude(instructions: Mapping[int, Message], replies: list[Message], attack:
             attackers: set[str]) -> list[Message]:
     """``replies`` with the arrays of the attackers' (site ids in ``attackers``) train
     replies replaced by ``sent + colluding_update(...)`` over the round's honest deltas
-    (float arrays; the rest of each reply stays as it is). Run where the server has every
+    (float arrays; the rest of each reply stays as it is). The classifier bias
+    ``head.bias`` is sent as trained, as in ``bodyflip``: the attackers know the screen's
+    label-alignment rule, which reads that array only. Run where the server has every
     reply of the round and before it screens them: the attackers know the honest updates."""
     deltas: dict[int, dict[str, np.ndarray]] = {}
     for k, reply in enumerate(replies):
@@ -258,7 +260,8 @@ def collude(instructions: Mapping[int, Message], replies: list[Message], attack:
             delta = check_update(reply, sent)
         except InvalidUpdate:
             continue
-        deltas[k] = {n: d for n, d in delta.items() if np.issubdtype(sent[n].dtype, np.floating)}
+        deltas[k] = {n: d for n, d in delta.items()
+                     if np.issubdtype(sent[n].dtype, np.floating) and n != HONEST_IN_BODYFLIP}
     bad = [k for k in deltas if site_id_of(replies[k]) in attackers]
     if not bad or len(deltas) < 2:
         return replies
