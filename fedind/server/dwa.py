@@ -272,6 +272,9 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             if self.server_momentum and self.conflict_buffer
             else "",
         )
+        if self.robust is not None:
+            log(INFO, "\t│\t├── Centered clipping: radius %s x the median bucket distance, buckets of %d",
+                self.robust.radius, self.robust.bucket_size)
         log(INFO, "\t│\t└── Classes: %s", self.num_classes if self.num_classes else "from the global model")
         super().summary()
 
