@@ -667,3 +667,17 @@ def test_centered_clipping_state_round_trip_and_config():
     assert build_strategy(RunConfig(strategy="fedind"), 10, 3).robust is None
     with pytest.raises(ValueError, match="cclip-radius"):
         RunConfig(strategy="fedavgm", cclip_radius=2.0)
+
+
+def test_a_grown_head_keeps_the_centered_clipping_state():
+    """The continual path edits every piece of DWA's state aligned with the arrays: the centre too."""
+    from fedind.aggregation.robust import CenteredClipping
+    from fedind.server.strategies import grow_strategy_classes
+
+    strategy = dwa(robust=CenteredClipping(radius=2.0))
+    run_round(strategy, GLOBAL, _state_sites(GLOBAL, 1))
+    before = strategy.robust.state_dict()["center"]
+    grow_strategy_classes(strategy, record(GLOBAL), 4)
+    assert strategy.num_classes == 4
+    for name, v in strategy.robust.state_dict()["center"].items():
+        np.testing.assert_array_equal(v, before[name])

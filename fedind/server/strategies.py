@@ -191,7 +191,7 @@ def _edit_strategy_state(
                 "server_momentum": None
                 if state["server_momentum"] is None
                 else {"buffers": edit(state["server_momentum"]["buffers"])},
-            }
+            } | ({"robust": {"center": edit(state["robust"]["center"])}} if "robust" in state else {})
             if num_classes is not None:
                 strategy.num_classes = num_classes
             strategy.load_state_dict(state)
