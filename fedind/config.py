@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -117,6 +118,7 @@ class RunConfig:
     ewc_gamma: float = 1.0  # online EWC: Fisher of earlier phases is scaled by gamma at each consolidation
     ewc_server_lambda: float = 0.0  # server damps each coordinate's drift from its anchor by 1/(1 + this*F) (0 = off)
     ewc_keep: float = 1.0  # EWC: share of the Fisher's coordinates kept at each consolidation (the largest; 1 = all)
+    ewc_fade_rounds: int = 0  # EWC's weight fades linearly to 0 over this many rounds after each phase end (0 = constant)
     ewc_anchor: str = "phase-end"  # EWC anchors: phase-end (the model at the last phase end) | global (the model each round starts from)
     young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa averages them over its holders; other strategies refit)
 
@@ -192,6 +194,7 @@ class RunConfig:
             "ewc-server-lambda": math.isfinite(self.ewc_server_lambda) and self.ewc_server_lambda >= 0,
             "ewc-keep": 0 < self.ewc_keep <= 1,
             "ewc-anchor": self.ewc_anchor in EWC_ANCHORS,
+            "ewc-fade-rounds": self.ewc_fade_rounds >= 0,
             "young-rows": self.young_rows in YOUNG_ROWS,
         }
         for key, ok in checks.items():
@@ -257,6 +260,17 @@ class RunConfig:
         start = phase * self.phase_rounds
         length = self.phase_rounds if phase < self.phases - 1 else self.num_server_rounds - start
         return (server_round - 1 - start) / length
+
+    def ewc_lambda_at(self, server_round: int) -> float:
+        """The EWC weight the sites train ``server_round`` with: ``ewc-lambda``, or with
+        ``ewc-fade-rounds`` = F, ``ewc-lambda`` (1 - k/F) in the k-th round after the last
+        phase end (k = 0 the first) and 0 from the F-th on: consolidation while the new
+        conditions' first updates would tear down what the old ones taught, none once the
+        federation has re-learnt (the replay buffer keeps the old phase in later batches)."""
+        if not self.ewc_fade_rounds:
+            return self.ewc_lambda
+        since = (server_round - 1) - self.phase_of(server_round) * self.phase_rounds
+        return self.ewc_lambda * max(0.0, 1.0 - since / self.ewc_fade_rounds)
 
     @property
     def refits_young_rows(self) -> bool:
@@ -340,8 +354,12 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "RunConfig":
-        """The run config the server sends to sites with every message (JSON text)."""
-        return cls.from_flower(json.loads(text))
+        """The run config the server sends to sites with every message (JSON text), parsed
+        and checked once per distinct text: a site's mods and handler read it from the same
+        message, and the server sends the same text every round."""
+        if cls is not RunConfig:
+            return cls.from_flower(json.loads(text))
+        return _parsed_run_config(text)
 
     def to_flower(self) -> dict[str, Any]:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -381,6 +399,11 @@ RECIPE: dict[str, Any] = {
     # fine-tuning forgot nothing to consolidate (docs/benchmarks/continual.md)
     "drift_regime_share": 1.0,
 }
+
+
+@functools.lru_cache(maxsize=8)  # keyed by the text, bounded; a RunConfig is frozen, so sharing it is safe
+def _parsed_run_config(text: str) -> RunConfig:
+    return RunConfig.from_flower(json.loads(text))
 
 
 def recipe(**overrides: Any) -> RunConfig:

@@ -87,8 +87,7 @@ import fedind.server.app  # noqa: E402
 import fedind.site.app  # noqa: E402
 from fedind import wire  # noqa: E402
 from fedind.site.app import site_app  # noqa: E402
-from fedind.server.metering import site_id_of  # noqa: E402
-from fedind.server.screening import InvalidUpdate, UpdateScreen, check_update, label_alignment  # noqa: E402
+from fedind.server.screening import UpdateScreen, label_alignment  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
 KINDS = ("scale", "signflip", "bodyflip", "absent", "alie", "ipm", "minmax", "minsum", "labelflip")
@@ -242,47 +241,29 @@ def colluding_update(honest: np.ndarray, attack: Attack) -> np.ndarray:
     return mu - lo * sigma
 
 
-def collude(instructions: Mapping[int, Message], replies: list[Message], attack: Attack,
-            attackers: set[str]) -> list[Message]:
-    """``replies`` with the arrays of the attackers' (site ids in ``attackers``) train
-    replies replaced by ``sent + colluding_update(...)`` over the round's honest deltas
-    (float arrays; the rest of each reply stays as it is). The classifier bias
-    ``head.bias`` is sent as trained, as in ``bodyflip``: the attackers know the screen's
-    label-alignment rule, which reads that array only. Run where the server has every
-    reply of the round and before it screens them: the attackers know the honest updates."""
-    deltas: dict[int, dict[str, np.ndarray]] = {}
-    for k, reply in enumerate(replies):
-        instruction = instructions.get(reply.metadata.src_node_id)
-        if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
-            continue
-        sent = {n: a.numpy() for n, a in instruction.content[wire.ARRAYS].items()}
-        try:
-            delta = check_update(reply, sent)
-        except InvalidUpdate:
-            continue
-        deltas[k] = {n: d for n, d in delta.items()
-                     if np.issubdtype(sent[n].dtype, np.floating) and n != HONEST_IN_BODYFLIP}
-    bad = [k for k in deltas if site_id_of(replies[k]) in attackers]
-    if not bad or len(deltas) < 2:
-        return replies
-    names = sorted(next(iter(deltas.values())))
-    flat = np.stack([np.concatenate([np.asarray(d[n], np.float64).ravel() for n in names]) for d in deltas.values()])
+def collude(updates: list, attack: Attack, attackers: set[str]) -> None:
+    """Replace, in place, the update of every attacker (site id in ``attackers``) among the
+    round's typed updates (:class:`fedind.server.pipeline.SiteUpdate`, decoded, before the
+    screen's rules) by ``colluding_update`` over every site's honest delta (float arrays).
+    The classifier bias ``head.bias`` is sent as trained, as in ``bodyflip``: the attackers
+    know the screen's label-alignment rule, which reads that array only. In place because
+    the pipeline passes these same objects on to the strategy: the attackers know the
+    honest updates of the round, and the screen and the strategy see what they send."""
+    honest = [u for u in updates if u.has_update and u.weights is not None]
+    bad = [u for u in honest if u.site_id in attackers]
+    if not bad or len(honest) < 2:
+        return
+    names = sorted(n for n, w in bad[0].weights.items()
+                   if np.issubdtype(w.dtype, np.floating) and n != HONEST_IN_BODYFLIP)
+    flat = np.stack([np.concatenate([np.asarray(u.delta[n], np.float64).ravel() for n in names]) for u in honest])
     update = colluding_update(flat, attack)
-    offsets = np.cumsum([0] + [deltas[bad[0]][n].size for n in names])
-    chunks = {n: update[offsets[i]:offsets[i + 1]] for i, n in enumerate(names)}
-    out = list(replies)
-    for k in bad:
-        reply, instruction = replies[k], instructions[replies[k].metadata.src_node_id]
-        (key, _), = reply.content.array_records.items()
-        sent = instruction.content[wire.ARRAYS]
-        record = ArrayRecord({
-            name: Array((sent[name].numpy().astype(np.float64) + chunks[name].reshape(a.shape)).astype(a.numpy().dtype)
-                        if name in chunks else a.numpy())
-            for name, a in reply.content[key].items()
-        })
-        content = RecordDict({n: (record if n == key else r) for n, r in reply.content.items()})
-        out[k] = Message(content, reply_to=instruction)
-    return out
+    offsets = np.cumsum([0] + [bad[0].delta[n].size for n in names])
+    for u in bad:
+        for i, name in enumerate(names):
+            w = u.weights[name]
+            sent = w.astype(np.float64) - u.delta[name]
+            u.weights[name] = (sent + update[offsets[i]:offsets[i + 1]].reshape(w.shape)).astype(w.dtype)
+            u.delta[name] = u.weights[name].astype(np.float64) - sent
 
 
 def relabelled(load: Callable, sites: tuple[int, ...], target: int) -> Callable:
@@ -371,35 +352,29 @@ def recording_screen(
     update norm, its ratio to the round's median norm, its cosine to the coordinate-wise
     median update of the round and whether the screen rejected it. ``clip_ratio``: when
     set, the screen's norm clip at that ratio (else the server's default). ``collusion``:
-    ``(attack, attacker site ids)`` of a colluding attack, applied to the replies first
-    (:func:`collude`)."""
+    ``(attack, attacker site ids)`` of a colluding attack, applied to the updates before
+    the rules (:func:`collude`)."""
 
     class RecordingScreen(UpdateScreen):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **({"clip_ratio": clip_ratio} | kwargs if clip_ratio is not None else kwargs))
 
-        def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
+        def rules(self, updates: list) -> dict:
             if collusion is not None:
-                replies = collude(instructions, replies, *collusion)
-            out = super().__call__(instructions, replies)
+                collude(updates, *collusion)
+            verdicts = super().rules(updates)
             alignments = {}  # node -> this round's label alignment (fedind.server.screening.label_alignment)
             norms, labelled = {}, {}  # node -> (site, update); node -> (update, head update, histogram)
-            for reply in replies:
-                instruction = instructions.get(reply.metadata.src_node_id)
-                if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
+            for update in updates:  # the round's typed updates (fedind.server.pipeline), before the rules
+                if not update.has_update:
                     continue
-                sent = {k: a.numpy() for k, a in instruction.content[wire.ARRAYS].items()}
-                try:
-                    delta = check_update(reply, sent)
-                except InvalidUpdate:
-                    continue
+                delta, histogram = update.delta, update.histogram
                 flat = np.concatenate([d.ravel() for d in delta.values()])
-                norms[reply.metadata.src_node_id] = (site_id_of(reply), flat)
-                histogram = next(iter(reply.content.metric_records.values())).get(wire.LABEL_HISTOGRAM)
+                norms[update.node_id] = (update.site_id, flat)
                 if histogram is not None:
                     head = np.concatenate([d.ravel() for k, d in sorted(delta.items()) if k.startswith("head.")])
-                    labelled[reply.metadata.src_node_id] = (flat, head, histogram)
-                    alignments[reply.metadata.src_node_id] = label_alignment(delta["head.bias"], histogram)
+                    labelled[update.node_id] = (flat, head, list(histogram))
+                    alignments[update.node_id] = label_alignment(delta["head.bias"], histogram)
             peers = peers_head = {}
             if len(labelled) >= 2:
                 histograms = [h for _, _, h in labelled.values()]
@@ -410,7 +385,7 @@ def recording_screen(
                 lengths = {node: float(np.linalg.norm(flat)) for node, (_, flat) in norms.items()}
                 median = float(np.median(list(lengths.values())))
                 middle = np.median(np.stack([flat for _, flat in norms.values()]), axis=0)
-                rejected = {r.metadata.src_node_id for r in out if r.has_error()}
+                rejected = {updates[i].node_id for i, v in verdicts.items() if isinstance(v, str)}
                 for node, (site, flat) in sorted(norms.items(), key=lambda kv: kv[1][0]):
                     cosine = float(flat @ middle) / max(lengths[node] * float(np.linalg.norm(middle)), 1e-300)
                     rows.append({"round": server_round, "site": site, "norm": lengths[node],
@@ -419,7 +394,7 @@ def recording_screen(
                                  "peer_cosine_head": peers_head.get(node, float("nan")),
                                  "label_alignment": alignments.get(node, float("nan")),
                                  "rejected": node in rejected})
-            return out
+            return verdicts
 
     return RecordingScreen
 

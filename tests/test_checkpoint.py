@@ -14,13 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 
 from fedind.server.checkpoint import CheckpointStore, CorruptCheckpointError, join_arrays, read_checkpoint, split_arrays
 from fedind.config import ConfigError, RunConfig
 from fedind.server.screening import UpdateScreen
 from fedind.server.app import resume_point, run_folder
-from fedind.server.strategies import build_strategy, load_strategy_state, strategy_state
+from fedind.server.strategies import FedAdam, FedAvg, FedAvgM, build_strategy, load_strategy_state, strategy_state
 
 MODEL = {"conv.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "head.bias": np.ones(5, dtype=np.float32)}
 
@@ -163,7 +162,7 @@ def _through_store(tmp_path, state: dict) -> dict:
 
 def test_fedavgm_momentum_survives_a_checkpoint(tmp_path):
     strategy = FedAvgM(server_momentum=0.9)
-    strategy.momentum_vector = [np.full(3, 0.5, np.float32), np.arange(4, dtype=np.float32)]
+    strategy.load_state_dict({"momentum_vector": [np.full(3, 0.5, np.float32), np.arange(4, dtype=np.float32)]})
     fresh = FedAvgM(server_momentum=0.9)
     load_strategy_state(fresh, _through_store(tmp_path, strategy_state(strategy)))
     for a, b in zip(fresh.momentum_vector, strategy.momentum_vector):
@@ -172,8 +171,7 @@ def test_fedavgm_momentum_survives_a_checkpoint(tmp_path):
 
 def test_fedadam_moments_survive_a_checkpoint(tmp_path):
     strategy = FedAdam()
-    strategy.m_t = {"w": np.ones(3, np.float32)}
-    strategy.v_t = {"w": np.full(3, 2.0, np.float32)}
+    strategy.load_state_dict({"m_t": {"w": np.ones(3, np.float32)}, "v_t": {"w": np.full(3, 2.0, np.float32)}})
     fresh = FedAdam()
     load_strategy_state(fresh, _through_store(tmp_path, strategy_state(strategy)))
     np.testing.assert_array_equal(fresh.m_t["w"], strategy.m_t["w"])

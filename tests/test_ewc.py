@@ -446,7 +446,7 @@ def test_a_penalty_consolidated_before_the_head_grew_holds_nothing_on_the_new_ro
 
     from fedind import wire
     from fedind.config import RunConfig
-    from fedind.server.continual import received_penalty
+    from fedind.continual.site import received_penalty
 
     model = FaultCNN(in_channels=1, num_classes=4, width=8)
     old = {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -479,7 +479,7 @@ def test_a_global_anchor_holds_training_near_the_received_model_and_needs_no_anc
 
     from fedind import wire
     from fedind.config import RunConfig
-    from fedind.server.continual import received_penalty
+    from fedind.continual.site import received_penalty
 
     model = FaultCNN(in_channels=1, num_classes=4, width=8)
     fisher = {"head.weight": np.ones((4, model.head.in_features), np.float32)}
@@ -505,3 +505,12 @@ def test_server_damping_needs_the_phase_end_anchor():
         RunConfig(ewc_lambda=1.0, ewc_server_lambda=1.0, ewc_anchor="global", phases=2, phase_rounds=2, num_server_rounds=4)
     with pytest.raises(ConfigError, match="ewc-anchor"):
         RunConfig(ewc_anchor="latest")
+
+
+def test_a_faded_ewc_weight_falls_linearly_after_each_phase_end_and_is_off_after():
+    from fedind.config import RunConfig
+
+    config = RunConfig(ewc_lambda=10.0, ewc_fade_rounds=4, phases=2, phase_rounds=5, num_server_rounds=12)
+    # phase 1 starts at round 6: weights 10, 7.5, 5, 2.5, then 0
+    assert [config.ewc_lambda_at(r) for r in range(6, 12)] == [10.0, 7.5, 5.0, 2.5, 0.0, 0.0]
+    assert RunConfig(ewc_lambda=3.0, phases=2, phase_rounds=5, num_server_rounds=12).ewc_lambda_at(11) == 3.0

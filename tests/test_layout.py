@@ -76,6 +76,16 @@ def test_features_and_the_core_never_import_the_server_the_site_or_the_tools():
     assert not offenders, "imports that point up: " + ", ".join(sorted(offenders))
 
 
+def test_the_site_never_imports_the_server():
+    """The site agent and the server share the features and the core, never each other."""
+    offenders = []
+    for path in sorted((PACKAGE / "site").rglob("*.py")):
+        offenders += [f"{module_name(path)} -> {t}" for t in fedind_imports(path) if t.startswith("fedind.server")]
+    for path in sorted((PACKAGE / "server").rglob("*.py")):
+        offenders += [f"{module_name(path)} -> {t}" for t in fedind_imports(path) if t.startswith("fedind.site")]
+    assert not offenders, "imports between the site and the server: " + ", ".join(sorted(offenders))
+
+
 def test_no_module_is_much_over_500_lines():
     long = {module_name(p): n for p in PACKAGE.rglob("*.py") if (n := p.read_text(encoding="utf-8").count("\n")) > MAX_LINES}
     assert not long, f"split these along their concepts: {long}"

@@ -205,28 +205,31 @@ def test_minmax_and_minsum_stay_inside_the_honest_spread_at_its_edge(kind):
     assert figure(mu - 1.01 * gamma * sigma) > bound  # the largest such gamma
 
 
-@pytest.mark.usefixtures("flower_task_identity")
-def test_collude_replaces_the_attackers_replies_only():
-    from tests.test_screening import GLOBAL, honest, instruction, reply
-
+def test_collude_replaces_the_attackers_updates_only():
+    from fedind.server.pipeline import SiteUpdate
     from simulations.poisoning import collude, colluding_update
 
-    instructions = {node: instruction(node) for node in range(1, 6)}
-    replies = [reply(instructions[n], honest(n)) for n in range(1, 6)]
-    out = collude(instructions, replies, Attack("ipm", 2), {"node-4", "node-5"})
-    names = sorted(set(GLOBAL) - {"head.bias"})  # the bias is sent as trained: the alignment rule reads it
-    flat = np.stack([np.concatenate([(honest(n)[k].astype(np.float64) - GLOBAL[k]).ravel() for k in names])
-                     for n in range(1, 6)])
+    rng = np.random.default_rng(3)
+    sent = {"conv.weight": np.ones((2, 3), np.float32), "head.bias": np.zeros(3, np.float32)}
+
+    def site(i):
+        weights = {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in sent.items()}
+        delta = {k: w.astype(np.float64) - sent[k] for k, w in weights.items()}
+        return SiteUpdate(f"line-{i:02d}", i + 1, 10.0, (5, 3, 2), delta, weights, None)
+
+    updates = [site(i) for i in range(5)]
+    honest_deltas = [{k: v.copy() for k, v in u.delta.items()} for u in updates]
+    collude(updates, Attack("ipm", 2), {"line-03", "line-04"})
+    flat = np.stack([d["conv.weight"].ravel() for d in honest_deltas])
     expected = colluding_update(flat, Attack("ipm", 2))
-    for k, r in enumerate(out):
-        got = np.concatenate([(r.content[wire.ARRAYS][n].numpy().astype(np.float64) - GLOBAL[n]).ravel() for n in names])
-        if k < 3:
-            assert r is replies[k]
+    for i, u in enumerate(updates):
+        if i < 3:
+            np.testing.assert_array_equal(u.delta["conv.weight"], honest_deltas[i]["conv.weight"])
         else:
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-            np.testing.assert_array_equal(r.content[wire.ARRAYS]["head.bias"].numpy(), honest(k + 1)["head.bias"])
-            assert r.metadata.src_node_id == k + 1
-            assert r.content[wire.METRICS][wire.NUM_EXAMPLES] == 10  # the rest of the reply stays
+            np.testing.assert_allclose(u.delta["conv.weight"].ravel(), expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(u.weights["conv.weight"], sent["conv.weight"] + u.delta["conv.weight"])
+        # the bias is sent as trained: the label-alignment rule reads it
+        np.testing.assert_array_equal(u.delta["head.bias"], honest_deltas[i]["head.bias"])
 
 
 def test_labelflip_relabels_one_class_as_healthy_at_the_attacked_sites_only():

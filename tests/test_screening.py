@@ -6,6 +6,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 
 from fedind import wire
 from fedind.server.metering import MeteredGrid
+from fedind.server.pipeline import NO_UPDATE
+from fedind.server.strategies import FedMedian
 from fedind.server.screening import (
     REJECTED_UPDATE,
     AlignmentRecord,
@@ -227,12 +229,12 @@ def test_the_clip_scales_an_accepted_long_update_down_to_the_ratio_times_the_med
     assert out[-1].content[wire.METRICS][wire.NUM_EXAMPLES] == 10
     assert out[-1].metadata.src_node_id == replies[-1].metadata.src_node_id
     shorter = [i for i, r in enumerate(replies) if _delta_norm(r) <= 1.5 * median]
-    assert shorter and all(out[i] is replies[i] for i in shorter)
+    assert shorter and all(_unchanged(out[i], replies[i]) for i in shorter)
 
 
 def test_without_a_clip_ratio_accepted_updates_are_untouched():
     replies, out = _boosted_round(clip_ratio=None)
-    assert all(o is r for o, r in zip(out, replies))
+    assert all(_unchanged(o, r) for o, r in zip(out, replies))
 
 
 def test_rejected_updates_stay_rejected_under_the_clip():
@@ -257,7 +259,7 @@ def test_an_outlying_norm_short_of_the_ceiling_is_scaled_down_to_the_bound_not_r
     after = out[-1].content[wire.ARRAYS]["conv.weight"].numpy() - GLOBAL["conv.weight"]
     np.testing.assert_allclose(after, before * (bound / norms[-1]), rtol=1e-4, atol=1e-7)
     assert out[-1].content[wire.METRICS][wire.LABEL_HISTOGRAM] == [5, 3, 2]
-    assert all(o is r for o, r in zip(out[:-1], replies[:-1]))
+    assert all(_unchanged(o, r) for o, r in zip(out[:-1], replies[:-1]))
 
 
 def test_a_norm_beyond_the_ceiling_is_rejected():
@@ -392,12 +394,30 @@ def test_invalid_alignment_threshold_is_rejected(threshold, release):
 
 def test_a_reply_that_trained_on_no_windows_passes_with_no_update():
     """num-examples 0 (a line whose windows are all of classes the head lacks): the reply
-    passes, carrying its metrics, but whatever it sent is replaced by the model it got,
-    so even a robust mean that ignores the example counts takes nothing from it."""
+    passes, carrying its metrics, but typed as no update: whatever it sent is dropped, so
+    even a robust mean that ignores the example counts takes nothing from it."""
     out = screened(bad_arrays=_with("head.bias", np.full(3, 1e6, np.float32)),
                    bad_metrics={wire.NUM_EXAMPLES: 0, wire.LABEL_HISTOGRAM: [0, 0, 0]})
     assert not out[-1].has_error()
-    for name, value in GLOBAL.items():
-        np.testing.assert_array_equal(out[-1].content[wire.ARRAYS][name].numpy(), value)
+    assert out[-1].update.change is NO_UPDATE and not out[-1].update.has_update
+    assert wire.ARRAYS not in out[-1].content.array_records
     assert out[-1].content[wire.METRICS][wire.NUM_EXAMPLES] == 0
+    median = FedMedian(min_train_nodes=1, min_available_nodes=1)  # fedind's: drops a no-update reply
+    median.configure_train(1, ArrayRecord({k: Array(v) for k, v in GLOBAL.items()}), ConfigRecord(), _NoGrid())
+    arrays, _ = median.aggregate_train(1, out)
+    assert arrays is not None and set(arrays) == set(GLOBAL)
     assert all(not r.has_error() for r in out[:-1])
+
+
+def _unchanged(out: Message, reply: Message) -> bool:
+    """The screen passed ``reply`` as it came: the same site, weights (bit for bit) and metrics."""
+    if out.has_error() or out.metadata.src_node_id != reply.metadata.src_node_id:
+        return False
+    got, sent = out.content[wire.ARRAYS], reply.content[wire.ARRAYS]
+    same = set(got) == set(sent) and all(np.array_equal(got[k].numpy(), sent[k].numpy()) for k in sent)
+    return same and dict(out.content[wire.METRICS]) == dict(reply.content[wire.METRICS])
+
+
+class _NoGrid:
+    def get_node_ids(self):
+        return list(range(1, 7))

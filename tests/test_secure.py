@@ -137,8 +137,8 @@ class SiteGrid:
         return replies
 
 
-def run_round(strategy: SecureAggregation, transform, grid: SiteGrid, global_arrays: dict, cfg: RunConfig, server_round=1):
-    metered = MeteredGrid(grid, transform=transform)
+def run_round(strategy: SecureAggregation, pipeline, grid: SiteGrid, global_arrays: dict, cfg: RunConfig, server_round=1):
+    metered = MeteredGrid(grid, screen=pipeline)
     train_config = ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower())})
     messages = strategy.configure_train(server_round, ArrayRecord({k: Array(v) for k, v in global_arrays.items()}),
                                         train_config, metered)
@@ -171,11 +171,11 @@ def close(new: ArrayRecord, expected: dict) -> float:
 
 def test_encrypted_round_equals_the_plaintext_weighted_mean_and_the_server_holds_no_private_key(key_files, site_side):
     cfg = config(key_files)
-    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(0)
     sites, locals_ = sites_for(g)
     grid = SiteGrid(sites, site_side)
-    new, metrics, traffic = run_round(strategy, transform, grid, g, cfg)
+    new, metrics, traffic = run_round(strategy, pipeline, grid, g, cfg)
     k = packing.integer_weights([30, 10, 60])
     # one float32 rounding of the reply weights, plus the documented quantisation bound
     assert close(new, oracle(g, locals_, k)) <= packing.quantisation_bound(CLIP) + 4e-7
@@ -188,11 +188,11 @@ def test_encrypted_round_equals_the_plaintext_weighted_mean_and_the_server_holds
 
 def test_dwa_weights_apply_under_encryption(key_files, site_side):
     cfg = config(key_files, strategy="dwa", conflict_buffer=False, dwa_momentum=0.0, dwa_temperature=0.5)
-    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(1)
     hists = [[20, 10, 0], [0, 5, 5], [10, 10, 40]]
     sites, locals_ = sites_for(g, counts=(30, 10, 60), hists=hists)
-    new, metrics, _ = run_round(strategy, transform, SiteGrid(sites, site_side), g, cfg)
+    new, metrics, _ = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
     hist = GlobalHistogram(3)
     for i, h in enumerate(hists):
         hist.update(f"line-{i + 1}", h)
@@ -204,14 +204,14 @@ def test_dwa_weights_apply_under_encryption(key_files, site_side):
 
 def test_server_momentum_acts_on_the_decrypted_aggregate(key_files, site_side):
     cfg = config(key_files, strategy="fedavgm", server_momentum=0.5)
-    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(2)
     sites, locals_ = sites_for(g)
     grid = SiteGrid(sites, site_side)
-    first, _, _ = run_round(strategy, transform, grid, g, cfg, server_round=1)
+    first, _, _ = run_round(strategy, pipeline, grid, g, cfg, server_round=1)
     g1 = {k: v.numpy() for k, v in first.items()}
     sites2 = [Site(s.node_id, {k: g1[k] + (s.local[k] - g[k]) for k in g}, s.n, s.histogram) for s in sites]
-    second, _, _ = run_round(strategy, transform, SiteGrid(sites2, site_side), g1, cfg, server_round=2)
+    second, _, _ = run_round(strategy, pipeline, SiteGrid(sites2, site_side), g1, cfg, server_round=2)
     step = oracle(g, locals_, packing.integer_weights([30, 10, 60]))
     # heavy ball: the second step is the mean delta plus 0.5 x the first step
     expected = {k: g1[k] + (step[k] - g[k]) * 1.5 for k in g}
@@ -269,11 +269,11 @@ def plaintext(reply: Message) -> Message:
 )
 def test_bad_encrypted_replies_become_logged_failures_and_the_round_goes_on(key_files, site_side, flwr_logs, cheat, reason):
     cfg = config(key_files, num_sites=4)
-    strategy, transform = encrypted_server(cfg, num_sites=4, num_classes=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=4, num_classes=3)
     g = arrays(3)
     sites, locals_ = sites_for(g, counts=(30, 10, 60, 20))
     sites[3].cheat = cheat
-    new, _, traffic = run_round(strategy, transform, SiteGrid(sites, site_side), g, cfg)
+    new, _, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
     assert len(traffic.failures) == 1 and "rejected encrypted update" in traffic.failures[0]
     assert reason in traffic.failures[0]
     assert reason in " ".join(r.getMessage() for r in flwr_logs.records)  # the server logs why
@@ -284,7 +284,7 @@ def test_bad_encrypted_replies_become_logged_failures_and_the_round_goes_on(key_
 def test_an_overflowing_site_makes_the_decrypting_site_refuse_and_the_round_is_skipped(key_files, site_side, flwr_logs):
     key, _, _ = key_files
     cfg = config(key_files)
-    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(4)
 
     def overflow(reply: Message) -> Message:  # a well-formed ciphertext of a plaintext beyond the slots
@@ -300,7 +300,7 @@ def test_an_overflowing_site_makes_the_decrypting_site_refuse_and_the_round_is_s
 
     sites, _ = sites_for(g)
     sites[0].cheat = overflow
-    new, metrics, traffic = run_round(strategy, transform, SiteGrid(sites, site_side), g, cfg)
+    new, metrics, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
     assert new is None and metrics is None
     logged = " ".join(r.getMessage() for r in flwr_logs.records)
     assert "refused to decrypt the aggregate" in logged and "overflow" in logged
@@ -309,23 +309,23 @@ def test_an_overflowing_site_makes_the_decrypting_site_refuse_and_the_round_is_s
 
 def test_a_failed_decrypt_query_goes_to_the_next_site(key_files, site_side):
     cfg = config(key_files)
-    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(5)
     sites, locals_ = sites_for(g)
     grid = SiteGrid(sites, site_side, down={1})
-    new, _, traffic = run_round(strategy, transform, grid, g, cfg)
+    new, _, traffic = run_round(strategy, pipeline, grid, g, cfg)
     assert grid.queries == [1, 2] and new is not None
     assert any("no reply" in f for f in traffic.failures)
 
 
 def test_fewer_than_two_valid_updates_are_not_decrypted(key_files, site_side, flwr_logs):
     cfg = config(key_files)
-    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(6)
     sites, _ = sites_for(g)
     sites[1].cheat = sites[2].cheat = truncate
     grid = SiteGrid(sites, site_side)
-    new, _, _ = run_round(strategy, transform, grid, g, cfg)
+    new, _, _ = run_round(strategy, pipeline, grid, g, cfg)
     assert new is None and grid.queries == []
     assert "fewer than 2 sites is not decrypted" in " ".join(r.getMessage() for r in flwr_logs.records)
 
@@ -347,10 +347,10 @@ def test_the_decrypting_site_refuses_an_aggregate_of_one_site(key_files, site_si
 
 def test_a_site_without_its_private_key_replies_with_an_error(key_files, site_side):
     cfg = config(key_files, paillier_private_key="")
-    strategy, transform = encrypted_server(cfg, num_sites=3, num_classes=3)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(7)
     sites, _ = sites_for(g)
-    _, _, traffic = run_round(strategy, transform, SiteGrid(sites, site_side), g, cfg)
+    _, _, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
     assert len(traffic.failures) == 3 and "node config paillier-private-key" in traffic.failures[0]
 
 

@@ -171,7 +171,7 @@ def estimate_round(uplink, ctx, g: dict, local: dict, server_round: int, corrupt
     reply = topk_mod(msg, ctx, site_training(local))
     if corrupt_reply is not None:
         reply = corrupt_reply(reply)
-    out = uplink(msg, reply)
+    out = uplink.densify(msg, reply)
     uplink.settle(set() if out.has_error() else {7})
     return msg, reply, out
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import shutil
@@ -27,9 +26,10 @@ from ..data.sources import check_data_root, global_test_set, phase_test_set, res
 from ..data.synthetic import NUM_CLASSES
 from .diagnostics import FeatureLog, common_cause, failure_line, inferred_classes_warning, site_score
 from ..continual.expansion import head_classes
-from .metering import MeteredGrid, PerReply, Traffic
+from .metering import MeteredGrid, Traffic
 from .monitoring import RunMonitor, code_version
 from ..models import FaultCNN
+from .pipeline import ReplyPipeline
 from .screening import UpdateScreen
 from .results import RoundRow, RunRecorder, best_round, finite_or_none, package_versions, rounds_to_target, save_model
 from .rounds import run_rounds
@@ -37,7 +37,7 @@ from .strategies import build_strategy, load_strategy_state, strategy_state
 from ..training import evaluate, pick_device
 from .encrypted import encrypted_server
 from ..topk.downlink import CompressedDownlink, digest
-from ..topk.uplink import EstimateUplink, densify_reply
+from ..topk.uplink import EstimateUplink, TopkUplink
 
 app = ServerApp()
 
@@ -102,13 +102,19 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     initial_classes = num_classes
     if checkpoint is not None and config.phases > 1:  # the head may have grown before the checkpoint
         num_classes = head_classes(checkpoint.arrays)
+    # Plaintext updates are screened before the strategy sees them (fedind.server.screening);
+    # under encryption there is nothing the server could read to screen.
+    alignment = None if config.alignment_threshold <= -1 else config.alignment_threshold
+    screen = None
     if config.encryption == "paillier":  # the server holds the public key only (fedind.server.encrypted)
-        strategy, transform = encrypted_server(config, num_sites, num_classes)
+        strategy, pipeline = encrypted_server(config, num_sites, num_classes)
+        transform = None
     else:
         strategy = build_strategy(config, num_sites, num_classes)
         ef21 = config.compression == "topk" and config.topk_feedback == "estimate"
-        transform = (EstimateUplink(config.topk_estimate_decay) if ef21
-                     else PerReply(functools.partial(densify_reply, gain=config.topk_gain)))
+        transform = EstimateUplink(config.topk_estimate_decay) if ef21 else TopkUplink(config.topk_gain)
+        screen = UpdateScreen(num_classes, alignment_threshold=alignment)
+        pipeline = ReplyPipeline(uplink=transform, screen=screen)  # each reply decoded once, then screened
         if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
             spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
             own = None if checkpoint is not None else (digest({k: v.numpy() for k, v in initial.items()}), spec)
@@ -118,11 +124,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")
     )
     monitor = RunMonitor.start(config, folder.name, num_sites)  # Prometheus, if metrics-port > 0
-    # Plaintext updates are screened before the strategy sees them (fedind.server.screening);
-    # under encryption there is nothing the server could read to screen.
-    alignment = None if config.alignment_threshold <= -1 else config.alignment_threshold
-    screen = UpdateScreen(num_classes, alignment_threshold=alignment) if config.encryption == "none" else None
-    metered = MeteredGrid(grid, transform=transform, screen=screen)
+    metered = MeteredGrid(grid, transform=transform, screen=pipeline)
     # A plain Flower ClientApp works too; say once which fedind features its replies switch off.
     features = FeatureLog(config.strategy if config.dwa_weighting else "",
                           alignment_on=screen is not None and alignment is not None)
@@ -143,7 +145,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             device=device,
             folder=folder,
             run_config_json=run_config_json,
-            screen=screen,
+            pipeline=pipeline,
         )
     arrays, first_round = initial, 1
     if checkpoint is not None:

@@ -1,4 +1,4 @@
-"""Continual learning in Flower: the site's replay buffer and EWC records, and the server's
+"""Continual learning in Flower, the server's side: the
 :class:`PhaseController` (phase ends, head growth, per-phase scores). The maths is in
 :mod:`fedind.continual.phases`, :mod:`fedind.continual.replay`, :mod:`fedind.continual.ewc` and :mod:`fedind.continual.expansion`.
 
@@ -18,9 +18,7 @@ Wire (names in :mod:`fedind.wire`):
   ``new-classes`` with its proposed rows for them (``rows``: the rows then the biases,
   flat; ``counts``: its windows of each class; :func:`fedind.continual.phases.propose_new_rows`).
 
-Site state (``context.state``, saved across restarts by :func:`fedind.site.state.state_mod`):
-ArrayRecord ``replay-buffer`` (:meth:`ReplayBuffer.state_dict`) and ConfigRecord
-``replay-meta`` (``offered-phase``: a phase-end query seen twice offers its batch once).
+The site's half (replay buffer, EWC penalty of a train message) is :mod:`fedind.continual.site`.
 """
 
 from __future__ import annotations
@@ -28,14 +26,13 @@ from __future__ import annotations
 import csv
 import io
 import math
-import zlib
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -47,114 +44,17 @@ from ..continual.phases import (
     evaluate_known,
     forgetting,
     merge_row_proposals,
-    replay_capacity,
-    restore_replay,
 )
 from ..data.format import SiteArrays
-from ..continual.ewc import EWCPenalty, EWCState, server_consolidation
-from ..continual.expansion import HEAD_WEIGHT, expand_head, pad_head_rows, set_head_rows
+from ..continual.ewc import EWCState, server_consolidation
+from ..continual.expansion import HEAD_WEIGHT, expand_head, set_head_rows
 from ..files import atomic_write
 from .metering import payload_bytes, site_id_of
 from ..models import FaultCNN
-from ..continual.replay import ReplayBuffer
-from .screening import UpdateScreen
+from .pipeline import ReplyPipeline
 from .strategies import grow_strategy_classes, reset_strategy_rows
 
-REPLAY_STATE = "replay-buffer"  # context.state ArrayRecord: ReplayBuffer.state_dict()
-REPLAY_META = "replay-meta"  # context.state ConfigRecord: {"offered-phase": int}
 MAX_CLASSES = 4096  # a classes-seen claim above this is ignored (logged): the head cannot grow without bound
-
-
-# =========================================================================== site
-
-
-def replay_seed(config: RunConfig, site_id: str) -> int:
-    return (config.seed * 1_000_003 + zlib.crc32(site_id.encode()) * 7 + 17) % 2**31
-
-
-def load_replay(
-    context: Context, config: RunConfig, site_id: str, batch: SiteArrays, num_classes: int
-) -> ReplayBuffer | None:
-    """The site's replay buffer, bounded for a site whose current batch is ``batch``; None
-    with replay off or while the bound is below one window."""
-    if not config.replay_samples:
-        return None
-    state = None
-    if REPLAY_STATE in context.state:
-        state = {name: array.numpy() for name, array in context.state[REPLAY_STATE].items()}
-    offered = int(state["seen"].sum()) if state is not None else 0
-    capacity = replay_capacity(config.replay_samples, config.replay_share, offered + batch.num_examples)
-    if capacity < 1:
-        return None
-    return restore_replay(
-        state,
-        max_samples=capacity,
-        max_bytes=config.replay_bytes,
-        sample_shape=batch.sample_shape,
-        num_classes=num_classes,
-        policy=config.replay_policy,
-        seed=replay_seed(config, site_id),
-    )
-
-
-def save_replay(context: Context, buffer: ReplayBuffer, offered_phase: int) -> None:
-    state = buffer.state_dict()
-    context.state[REPLAY_STATE] = _record(state)
-    context.state[REPLAY_META] = ConfigRecord({"offered-phase": int(offered_phase)})
-
-
-def offered_phase(context: Context) -> int:
-    """The last phase whose batch the site offered to its buffer (-1: none)."""
-    return int(context.state[REPLAY_META]["offered-phase"]) if REPLAY_META in context.state else -1
-
-
-def replay_metrics(buffer: ReplayBuffer | None, batch: SiteArrays) -> dict[str, int]:
-    """What the buffer holds, and the windows the site has had (offered + current batch)."""
-    offered = buffer.seen if buffer is not None else 0
-    return {
-        wire.REPLAY_SAMPLES: len(buffer) if buffer is not None else 0,
-        wire.REPLAY_BYTES: buffer.nbytes if buffer is not None else 0,
-        wire.WINDOWS_SEEN: offered + batch.num_examples,
-    }
-
-
-def received_penalty(
-    msg: Message, config: RunConfig, model: torch.nn.Module | None = None, num_classes: int | None = None
-) -> EWCPenalty | None:
-    """The EWC penalty of a train message (None before the first phase end or with λ = 0).
-    Records consolidated before the head grew to ``num_classes`` get zero rows for the new
-    classes (F = 0: nothing to hold there), so the server need not send them again. With
-    ``ewc-anchor = global`` the anchors are ``model``'s parameters as received (the round's
-    global model): local training is held near where the federation is, along the
-    coordinates earlier phases taught most, and the server sends no anchors."""
-    records = msg.content.array_records
-    if not config.ewc_lambda or wire.EWC_FISHER not in records:
-        return None
-    fisher = {name: a.numpy() for name, a in records[wire.EWC_FISHER].items()}
-    if num_classes is not None and HEAD_WEIGHT in fisher and fisher[HEAD_WEIGHT].shape[0] < num_classes:
-        fisher = pad_head_rows(fisher, num_classes)
-    if config.ewc_anchor == "global":
-        if model is None:
-            raise ValueError("ewc-anchor = global needs the received model")
-        params = dict(model.named_parameters())
-        anchors = {name: params[name].detach().cpu().numpy().copy() for name in fisher if name in params}
-    else:
-        anchors = {name: a.numpy() for name, a in records[wire.EWC_ANCHORS].items()}
-        if num_classes is not None and HEAD_WEIGHT in anchors and anchors[HEAD_WEIGHT].shape[0] < num_classes:
-            anchors = pad_head_rows(anchors, num_classes)
-    return EWCPenalty(fisher, anchors, config.ewc_lambda)
-
-
-def pad_residuals(context: Context, key: str, num_classes: int) -> None:
-    """Grow the head rows of an ArrayRecord in ``context.state`` (top-k error-feedback
-    residuals) with zeros when the model's head grew."""
-    if key not in context.state:
-        return
-    arrays = {name: a.numpy() for name, a in context.state[key].items()}
-    rows = arrays.get("head.bias")
-    if rows is not None and rows.shape[0] < num_classes:
-        padded = pad_head_rows(arrays, num_classes)
-        context.state[key] = _record(padded)
 
 
 # =========================================================================== server
@@ -187,7 +87,7 @@ class PhaseController:
         device: torch.device,
         folder: Path,
         run_config_json: str,
-        screen: UpdateScreen | None = None,
+        pipeline: ReplyPipeline | None = None,
     ) -> None:
         if len(test_sets) != config.phases:
             raise ValueError(f"expected {config.phases} phase test sets, got {len(test_sets)}")
@@ -201,7 +101,7 @@ class PhaseController:
         self.device = device
         self.folder = Path(folder)
         self.run_config_json = run_config_json
-        self.screen = screen
+        self.pipeline = pipeline  # follows a grown head (the length of a valid label histogram)
         self.ewc = EWCState(config.ewc_gamma, config.ewc_keep) if config.ewc_lambda > 0 else None
         self.consolidated: list[int] = []  # phases whose end the sites were told of
         self.expansions: list[dict] = []  # {"round", "from", "to", "proposed_rows"}
@@ -217,7 +117,9 @@ class PhaseController:
     def train_records(self, server_round: int) -> dict[str, ArrayRecord | ConfigRecord]:
         """``ewc-fisher`` and ``ewc-anchors`` for every train message once a phase ended, and
         ``new-classes`` (``refit-from``) while the current phase has grown rows."""
-        records: dict[str, ArrayRecord | ConfigRecord] = dict(self._ewc_records())
+        records: dict[str, ArrayRecord | ConfigRecord] = {}
+        if self.config.ewc_lambda_at(server_round):  # none while a faded penalty is off
+            records.update(self._ewc_records())
         if self.young_from is not None and self.config.refits_young_rows:
             records[wire.NEW_CLASSES] = ConfigRecord({wire.REFIT_FROM: self.young_from})
         return records
@@ -245,18 +147,18 @@ class PhaseController:
         for reply in replies:
             if reply.has_error():
                 continue
-            metrics = next(iter(reply.content.metric_records.values()), {})
-            self._note_replay(site_id_of(reply), metrics)
+            site, metrics, proposal = _reported(reply)
+            self._note_replay(site, metrics)
             seen = metrics.get(wire.CLASSES_SEEN)
             if seen is None:
                 continue
             valid = isinstance(seen, (int, float)) and not isinstance(seen, bool) and math.isfinite(seen)
             if not (valid and float(seen).is_integer() and 1 <= seen <= MAX_CLASSES):
-                log(WARNING, "round %d: site %s claims classes-seen = %r; ignored", server_round, site_id_of(reply), seen)
+                log(WARNING, "round %d: site %s claims classes-seen = %r; ignored", server_round, site, seen)
                 continue
             claimed = max(claimed, int(seen))
-            if wire.NEW_CLASSES in reply.content.config_records:
-                proposing.append((site_id_of(reply), reply.content.config_records[wire.NEW_CLASSES]))
+            if proposal is not None:
+                proposing.append((site, proposal))
         # Proposals cover the classes from the first young one (or the head's end) on.
         refit = self.young_from is not None and self.config.refits_young_rows
         first = self.young_from if refit else self.num_classes
@@ -311,8 +213,8 @@ class PhaseController:
         old = self.num_classes
         arrays = _record(expand_head(_numpy(arrays), num_classes, new_rows=rows))
         grow_strategy_classes(self.strategy, arrays, num_classes)
-        if self.screen is not None:
-            self.screen.num_classes = num_classes
+        if self.pipeline is not None:
+            self.pipeline.grow_classes(num_classes)
         if self.ewc is not None:  # the records sent stay as consolidated: sites pad new rows with F = 0
             self.ewc.expand_classes(num_classes)
         self.num_classes = num_classes
@@ -473,8 +375,8 @@ class PhaseController:
         if self.ewc is not None:
             self.ewc.load_state_dict(state["ewc"])
         self.num_classes = int(state["num_classes"])
-        if self.screen is not None:
-            self.screen.num_classes = self.num_classes
+        if self.pipeline is not None:
+            self.pipeline.grow_classes(self.num_classes)
         self.consolidated = [int(p) for p in state["consolidated"]]
         self.expansions = [dict(e) for e in state["expansions"]]
         self.rows = [dict(r) for r in state["rows"]]
@@ -484,6 +386,16 @@ class PhaseController:
         self.replay = {str(s): dict(e) for s, e in state["replay"].items()}
         self._set_young(young)
         self._records = None
+
+
+def _reported(reply: Message) -> tuple[str, Mapping, Mapping | None]:
+    """(site, metrics, new-classes proposal) of a train reply: from its typed update
+    (:mod:`fedind.server.pipeline`), or read off a reply that came without one."""
+    update = getattr(reply, "update", None)
+    if update is not None:
+        return update.site_id, update.metrics, update.proposal
+    metrics = next(iter(reply.content.metric_records.values()), {})
+    return site_id_of(reply), metrics, reply.content.config_records.get(wire.NEW_CLASSES)
 
 
 def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

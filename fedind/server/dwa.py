@@ -25,7 +25,6 @@ off with server momentum is FedAvgM exactly.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from logging import INFO, WARNING
 from numbers import Real
 
@@ -37,9 +36,7 @@ from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg
 
 from .. import wire
-from .metering import site_id_of
-from .screening import InvalidUpdate as InvalidReply  # one exception for "do not aggregate this reply"
-from .screening import check_histogram, read_reply
+from .pipeline import Rejected, SiteUpdate, decode_reply, update_of
 from ..aggregation.conflicts import (
     MomentumBuffer,
     RestartMomentum,
@@ -54,28 +51,16 @@ from ..aggregation.weighting import class_row_scales, scale_rows, GlobalHistogra
 # DWA reads the number of classes from HEAD_WEIGHT ([num_classes, features]) when none is given.
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT
 
-__all__ = ["DWA", "HEAD_WEIGHT", "InvalidReply", "SiteUpdate"]
+__all__ = ["DWA", "HEAD_WEIGHT", "SiteUpdate"]
 
 _STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
 _ROBUST_KEY = "robust"  # only with centered clipping on: checkpoints of runs without it stay as they were
 
 
-@dataclass
-class SiteUpdate:
-    """One validated train reply, decoded."""
-
-    site_id: str
-    node_id: int
-    num_examples: float
-    histogram: list[int] | None
-    arrays: dict[str, np.ndarray]
-    metrics: MetricRecord
-
-
 class DWA(FedAvg):
     r"""Divergence-weighted aggregation with conflict buffering (Flower Message API).
 
-    Each round, for the sites whose replies pass validation (:meth:`validate_reply`):
+    Each round, for the sites whose replies pass validation (:func:`fedind.server.pipeline.decode_reply`):
 
     1. **Weights.** With ``weighting`` on, every site's latest label histogram goes into a
        :class:`~fedind.aggregation.weighting.GlobalHistogram` (keyed by site id) and
@@ -244,6 +229,34 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             raise ValueError(f"Invalid first class: {first!r}")
         self.holder_rows_from = first
 
+    def follow_global_model(
+        self, arrays: ArrayRecord, edit: Callable[[dict], dict] | None = None, num_classes: int | None = None
+    ) -> None:
+        """``arrays`` (the server edited the global model after this strategy's step) is the
+        model the next replies are compared to; ``edit`` (None: leave them) maps the momentum
+        buffers (name -> array); ``num_classes``: the head grew, the label histograms get
+        zero counts for the new classes."""
+        self.current_arrays = arrays  # first: load_state_dict checks the buffers against it
+        if edit is None:
+            return
+        state = self.state_dict()
+        histogram = state["global_histogram"]
+        if histogram is not None and num_classes is not None:
+            histogram = {
+                "num_classes": num_classes,
+                "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in histogram["sites"].items()},
+            }
+        state = {
+            "global_histogram": histogram,
+            "momentum": {"buffers": edit(state["momentum"]["buffers"])},
+            "server_momentum": None
+            if state["server_momentum"] is None
+            else {"buffers": edit(state["server_momentum"]["buffers"])},
+        } | ({_ROBUST_KEY: {"center": edit(state[_ROBUST_KEY]["center"])}} if self.robust is not None else {})
+        if num_classes is not None:
+            self.num_classes = num_classes
+        self.load_state_dict(state)
+
     # ------------------------------------------------------------------ Flower hooks
 
     def summary(self) -> None:
@@ -294,20 +307,31 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             raise AggregationError(
                 "DWA has no global arrays: configure_train must run before aggregate_train."
             )
-        # Flower's checks split off error replies (and log them); contents are checked
-        # per reply below, so one bad site does not fail the round.
+        # Flower's checks split off error replies (and log them); each reply's typed update
+        # is the pipeline's (fedind.server.pipeline), decoded here only without one.
         replies, _ = self._check_and_log_replies(list(replies), is_train=True, validate=False)
         current = {name: array.numpy() for name, array in self.current_arrays.items()}
-        updates = self._valid_updates(server_round, replies, current)
+        updates = []
+        for reply in replies:
+            try:
+                updates.append(update_of(reply, lambda r: decode_reply(None, r, current, num_classes=self.num_classes)))
+            except Rejected as err:
+                log(WARNING, "aggregate_train: round %d: dropped the reply of node %d: %s",
+                    server_round, reply.metadata.src_node_id, err)
+        return self.aggregate_updates(server_round, updates)
+
+    def aggregate_updates(
+        self, server_round: int, updates: list[SiteUpdate]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Weight the round's typed updates, apply the (conflict-aware) mean delta."""
+        current = {name: array.numpy() for name, array in self.current_arrays.items()}
+        updates = self._aggregated(server_round, updates)
         if not updates:
             log(WARNING, "aggregate_train: round %d has no valid reply; the global model stays", server_round)
             return None, None
 
         weights = self._weights(updates, self.global_histogram)
-        deltas = [
-            {name: u.arrays[name].astype(np.float64) - current[name].astype(np.float64) for name in current}
-            for u in updates
-        ]
+        deltas = [{name: u.delta[name] for name in current} for u in updates]
         agreements = {name: sign_agreement([d[name] for d in deltas], weights) for name in current}
         if self.holder_rows_from is not None and all(u.histogram is not None for u in updates):
             scales = class_row_scales(weights, [u.histogram for u in updates])
@@ -344,60 +368,24 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             metrics[wire.RESTART_SHARE] = float(self.server_buffer.last_restart_share)
         return new, metrics
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ which updates count
 
-    def validate_reply(self, reply: Message, current: Mapping[str, np.ndarray]) -> SiteUpdate:
-        """Decode one train reply, or raise :class:`InvalidReply` saying what is wrong.
-
-        A valid reply has exactly one ArrayRecord with the keys, shapes and dtypes of the
-        current global arrays and only finite values; exactly one MetricRecord whose
-        ``num-examples`` is a positive finite number; and, if it has a ``label-histogram``,
-        that is a list of ``num_classes`` non-negative ints summing to ``num-examples``.
-        """
-        arrays, metrics = read_reply(reply, current)
-        n = metrics.get(wire.NUM_EXAMPLES)
-        if n is None:
-            raise InvalidReply(f"no {wire.NUM_EXAMPLES!r} metric")
-        if not (_is_real(n) and n > 0):
-            raise InvalidReply(f"{wire.NUM_EXAMPLES} = {n!r}: expected a positive finite number")
-
-        histogram = metrics.get(wire.LABEL_HISTOGRAM)
-        if histogram is not None:
-            check_histogram(histogram, self.num_classes, n)
-        return SiteUpdate(
-            site_id=site_id_of(reply),
-            node_id=reply.metadata.src_node_id,
-            num_examples=float(n),
-            histogram=None if histogram is None else [int(c) for c in histogram],
-            arrays=arrays,
-            metrics=metrics,
-        )
-
-    def _valid_updates(
-        self, server_round: int, replies: list[Message], current: Mapping[str, np.ndarray]
-    ) -> list[SiteUpdate]:
-        updates: list[SiteUpdate] = []
+    def _aggregated(self, server_round: int, updates: list[SiteUpdate]) -> list[SiteUpdate]:
+        """The updates that carry weight: not a no-update, one per site id (the first)."""
+        kept: list[SiteUpdate] = []
         seen: set[str] = set()
-        for reply in replies:
-            site_id = site_id_of(reply)
-            if next(iter(reply.content.metric_records.values()), {}).get(wire.NUM_EXAMPLES) == 0:
+        for u in updates:
+            if not u.has_update:
                 log(INFO, "aggregate_train: round %d: site %s trained on no windows (all of its classes are "
-                    "new to the model); it carries no weight", server_round, site_id)
+                    "new to the model); it carries no weight", server_round, u.site_id)
                 continue
-            try:
-                update = self.validate_reply(reply, current)
-                if site_id in seen:
-                    raise InvalidReply("another reply of this round already came from this site id")
-            except InvalidReply as err:
-                log(
-                    WARNING,
-                    "aggregate_train: round %d: dropped the reply of site %s (node %d): %s",
-                    server_round, site_id, reply.metadata.src_node_id, err,
-                )
+            if u.site_id in seen:
+                log(WARNING, "aggregate_train: round %d: dropped the reply of site %s (node %d): another reply of "
+                    "this round already came from this site id", server_round, u.site_id, u.node_id)
                 continue
-            seen.add(site_id)
-            updates.append(update)
-        return updates
+            seen.add(u.site_id)
+            kept.append(u)
+        return kept
 
     def _check_model(self, arrays: ArrayRecord) -> None:
         """Learn num_classes from the model if needed; a loaded buffer must fit the model."""

@@ -7,7 +7,7 @@ One round with ``encryption = "paillier"``::
     site    train -> delta = w_local - w_global (all arrays, sorted names, flattened)
             -> clip + fixed point + packed Paillier ciphertexts -> ConfigRecord
                ``encrypted-update`` (no ArrayRecord: no plaintext weights leave the site)
-    server  check each reply (format, key fingerprint, count, clip, sizes, every ciphertext
+    server  decode each reply once (fedind.server.pipeline: format, key fingerprint, count, clip, sizes, every ciphertext
             in [1, n^2)): a bad one becomes an error reply, logged and counted in failures
             -> the inner strategy's site weights w_i (num-examples, or DWA's KL weights
             from the label histograms) -> integers k_i, sum K = 1024
@@ -26,12 +26,12 @@ than two sites is not decrypted (it would be that site's update).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -41,61 +41,16 @@ from .. import wire
 from ..aggregation.weighting import GlobalHistogram, dwa_weights
 from ..config import DWA_STRATEGIES, ConfigError, RunConfig
 from ..paillier.keys import KeyFileError, PublicKey, load_public_key
-from ..paillier.packing import (
-    MAX_SITES,
-    MIN_SITES,
-    CiphertextError,
-    EncryptedVector,
-    integer_weights,
-    parse_record,
-    weighted_sum,
-)
-from ..paillier.site import model_size
-from .metering import PerReply, site_id_of
+from ..paillier.packing import MAX_SITES, MIN_SITES, CiphertextError, EncryptedVector, integer_weights, weighted_sum
+from .pipeline import Rejected, ReplyPipeline, SiteUpdate, decode_reply, update_of
 from .strategies import build_strategy, load_strategy_state, strategy_state
 from .screening import InvalidUpdate as InvalidReply
-from .screening import check_histogram
 
 REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
 DECRYPT_ATTEMPTS = 3  # sites asked in turn when a decrypt query fails
 
 
 # --------------------------------------------------------------------------- server
-
-
-def check_encrypted_reply(key: PublicKey, clip: float) -> Callable[[Message, Message], Message]:
-    """The MeteredGrid transform of an encrypted run: a train reply must carry a valid
-    ``encrypted-update`` for the model sent to it and no plaintext arrays; anything else
-    becomes an error reply naming the fault. Other replies pass unchanged."""
-
-    def transform(instruction: Message, reply: Message) -> Message:
-        if reply.has_error() or reply.metadata.message_type != MessageType.TRAIN:
-            return reply
-        try:
-            if reply.content.array_records or wire.ENCRYPTED_UPDATE not in reply.content.config_records:
-                raise CiphertextError(
-                    "encryption = 'paillier' but the reply carries plaintext arrays or no "
-                    f"{wire.ENCRYPTED_UPDATE!r} record (is the site running without the fedind mods?)"
-                )
-            count = model_size(instruction.content[wire.ARRAYS])
-            parse_record(reply.content[wire.ENCRYPTED_UPDATE], key, kind="update", count=count, clip=clip)
-        except CiphertextError as err:
-            return Message(
-                Error(code=REJECTED_CIPHERTEXT, reason=f"rejected encrypted update: {err}"), reply_to=instruction
-            )
-        return reply
-
-    return transform
-
-
-@dataclass
-class EncryptedReply:
-    site_id: str
-    node_id: int
-    num_examples: float
-    histogram: list[int] | None
-    vector: EncryptedVector
-    metrics: MetricRecord
 
 
 class SecureAggregation(Strategy):
@@ -168,7 +123,7 @@ class SecureAggregation(Strategy):
         weights = self._weights(updates)
         try:
             integers = integer_weights(weights)
-            aggregate = weighted_sum([u.vector for u in updates], integers, self.key)
+            aggregate = weighted_sum([u.change for u in updates], integers, self.key)
         except CiphertextError as err:
             log(WARNING, "encrypted round %d: refused to aggregate: %s", server_round, err)
             return None, None
@@ -191,46 +146,36 @@ class SecureAggregation(Strategy):
 
     # ------------------------------------------------------------------ steps
 
-    def _valid(self, server_round: int, replies: list[Message]) -> list[EncryptedReply]:
-        count = model_size(self.arrays)
-        updates: list[EncryptedReply] = []
+    def _valid(self, server_round: int, replies: list[Message]) -> list[SiteUpdate]:
+        """The round's typed updates (the pipeline's; decoded here only without one) that
+        carry ciphertexts, one per site id."""
+        num_classes = self.num_classes if self.global_histogram is not None else None
+        decode = lambda r: decode_reply(None, r, self.arrays, num_classes=num_classes, cipher=(self.key, self.clip))  # noqa: E731
+        updates: list[SiteUpdate] = []
         seen: set[str] = set()
         for reply in replies:
             if reply.has_error():
                 log(WARNING, "encrypted round %d: node %d failed: %s", server_round,
                     reply.metadata.src_node_id, reply.error.reason)
                 continue
-            site = site_id_of(reply)
             try:
-                if site in seen:
-                    raise InvalidReply("another reply of this round already came from this site id")
-                updates.append(self._decode(reply, count))
-                seen.add(site)
-            except (InvalidReply, CiphertextError) as err:
-                log(WARNING, "encrypted round %d: dropped the reply of site %s (node %d): %s",
-                    server_round, site, reply.metadata.src_node_id, err)
+                update = update_of(reply, decode)
+            except Rejected as err:
+                log(WARNING, "encrypted round %d: dropped the reply of node %d: %s",
+                    server_round, reply.metadata.src_node_id, err)
+                continue
+            if not update.has_update:
+                log(INFO, "encrypted round %d: site %s trained on no windows; it carries no weight",
+                    server_round, update.site_id)
+            elif update.site_id in seen:
+                log(WARNING, "encrypted round %d: dropped the reply of site %s (node %d): another reply of this "
+                    "round already came from this site id", server_round, update.site_id, update.node_id)
+            else:
+                seen.add(update.site_id)
+                updates.append(update)
         return updates
 
-    def _decode(self, reply: Message, count: int) -> EncryptedReply:
-        record = reply.content.config_records.get(wire.ENCRYPTED_UPDATE)
-        if record is None or reply.content.array_records:
-            raise InvalidReply(f"expected a {wire.ENCRYPTED_UPDATE!r} record and no plaintext arrays")
-        vector = parse_record(record, self.key, kind="update", count=count, clip=self.clip)
-        if len(reply.content.metric_records) != 1:
-            raise InvalidReply(f"expected exactly one MetricRecord, got {len(reply.content.metric_records)}")
-        metrics = next(iter(reply.content.metric_records.values()))
-        n = metrics.get(wire.NUM_EXAMPLES)
-        if not (isinstance(n, (int, float)) and not isinstance(n, bool) and np.isfinite(n) and n > 0):
-            raise InvalidReply(f"{wire.NUM_EXAMPLES} = {n!r}: expected a positive finite number")
-        histogram = metrics.get(wire.LABEL_HISTOGRAM)
-        if histogram is not None and self.global_histogram is not None:
-            check_histogram(histogram, self.num_classes, n)
-        return EncryptedReply(
-            site_id_of(reply), reply.metadata.src_node_id, float(n),
-            None if histogram is None else [int(c) for c in histogram], vector, metrics,
-        )
-
-    def _weights(self, updates: list[EncryptedReply]) -> np.ndarray:
+    def _weights(self, updates: list[SiteUpdate]) -> np.ndarray:
         n = np.array([u.num_examples for u in updates], dtype=np.float64)
         if self.global_histogram is None or any(u.histogram is None for u in updates):
             return n / n.sum()
@@ -275,7 +220,7 @@ class SecureAggregation(Strategy):
             raise InvalidReply(f"mean has non-finite values or values beyond the clip {self.clip}")
         return mean
 
-    def _as_reply(self, updates: list[EncryptedReply], mean: np.ndarray) -> Message:
+    def _as_reply(self, updates: list[SiteUpdate], mean: np.ndarray) -> Message:
         """One reply holding ``w_global + mean``, the summed num-examples and the scalar
         metrics every site sent, averaged by num-examples (as Flower's FedAvg)."""
         current = {name: self.arrays[name].numpy() for name in self.arrays}
@@ -313,8 +258,9 @@ class SecureAggregation(Strategy):
 
 def encrypted_server(
     config: RunConfig, num_sites: int, num_classes: int
-) -> tuple[SecureAggregation, PerReply]:
-    """The strategy and reply check of an encrypted run; ConfigError (naming the key) when
+) -> tuple[SecureAggregation, ReplyPipeline]:
+    """The strategy and reply pipeline (each ciphertext parsed and range-checked once,
+    :func:`fedind.server.pipeline.decode_reply`) of an encrypted run; ConfigError (naming the key) when
     the public key cannot be used or the federation does not fit the encryption."""
     if not config.paillier_public_key:
         raise ConfigError(
@@ -340,4 +286,4 @@ def encrypted_server(
     strategy = SecureAggregation(
         inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes
     )
-    return strategy, PerReply(check_encrypted_reply(key, config.paillier_clip))
+    return strategy, ReplyPipeline(num_classes, cipher=(key, config.paillier_clip))

@@ -81,11 +81,12 @@ class MeteredGrid(Grid):
         transform: ReplyTransform | None = None,
         screen: Callable[[dict[int, Message], list[Message]], list[Message]] | None = None,
     ) -> None:
-        """``transform`` (a :class:`ReplyTransform`, e.g. ``PerReply(densify_reply)`` or
-        :class:`fedind.topk.uplink.EstimateUplink`) prepares every outgoing message and maps
-        every reply; then ``screen(instructions by node, replies) -> replies`` sees the whole
-        round (e.g. :class:`fedind.server.screening.UpdateScreen`); then ``transform.settle`` learns
-        which replies were accepted. An error reply either returns is a failure."""
+        """``transform`` (a :class:`ReplyTransform`, e.g. :class:`fedind.topk.downlink.CompressedDownlink`
+        or :class:`fedind.topk.uplink.EstimateUplink`) prepares every outgoing message and maps
+        every reply on arrival (wire-level only); then ``screen(instructions by node, replies)
+        -> replies`` sees the whole round (:class:`fedind.server.pipeline.ReplyPipeline`: each
+        reply decoded once, validated, screened); then ``transform.settle`` learns which
+        replies were accepted. An error reply either returns is a failure."""
         self._grid = grid
         self._transform = transform
         self._screen = screen

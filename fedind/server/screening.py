@@ -4,7 +4,7 @@ Every train reply of a round passes three checks (and, when configured, a norm c
 server (:class:`UpdateScreen`, run by :class:`~fedind.server.metering.MeteredGrid` after decoding,
 for every strategy — Flower's or fedind's):
 
-1. **Structure** (:func:`check_update`, per reply): exactly one ArrayRecord with the names,
+1. **Structure** (:func:`fedind.server.pipeline.decode_reply`, per reply): exactly one ArrayRecord with the names,
    shapes and dtypes of the global arrays sent to that site, only finite values; one
    MetricRecord whose ``num-examples`` is a positive finite whole number; a
    ``label-histogram``, when present, of one non-negative int per class summing to
@@ -102,15 +102,14 @@ from logging import WARNING
 from numbers import Real
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, Message, MetricRecord
 from flwr.common.logger import log
 
 from .. import wire
-from .metering import site_id_of
 
 __all__ = [
-    "REJECTED_UPDATE", "AlignmentRecord", "InvalidUpdate", "UpdateScreen", "check_histogram", "check_update",
-    "clip_factors", "label_alignment", "norm_outliers", "outlier_bounds", "read_reply",
+    "REJECTED_UPDATE", "AlignmentRecord", "InvalidUpdate", "UpdateScreen", "check_histogram", "is_real",
+    "clip_factors", "label_alignment", "norm_outliers", "outlier_bounds", "read_metrics", "read_reply",
 ]
 
 REJECTED_UPDATE = wire.REJECTED_UPDATE  # the code's table: fedind.wire
@@ -242,9 +241,12 @@ class AlignmentRecord:
 # --------------------------------------------------------------------------- checks
 
 
-def _is_real(x) -> bool:
+def is_real(x) -> bool:
     """A finite real number (bool is not a number here)."""
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_is_real = is_real
 
 
 def _is_int(x) -> bool:
@@ -287,42 +289,28 @@ def check_histogram(histogram, num_classes: int | None, num_examples: float) -> 
     return [int(c) for c in histogram]
 
 
+def read_metrics(reply: Message) -> MetricRecord:
+    """The one MetricRecord of a train reply, or :class:`InvalidUpdate`."""
+    if len(reply.content.metric_records) != 1:
+        raise InvalidUpdate(f"expected exactly one MetricRecord, got {len(reply.content.metric_records)}")
+    return next(iter(reply.content.metric_records.values()))
+
+
 def read_reply(reply: Message, expected: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], MetricRecord]:
     """``(arrays, metrics)`` of a train reply with exactly one ArrayRecord holding the
     names, shapes and dtypes of ``expected`` (finite values only) and exactly one
     MetricRecord; :class:`InvalidUpdate` naming the fault otherwise. The metrics are not
-    checked here: callers apply their own rules."""
+    checked here: :func:`fedind.server.pipeline.decode_reply` does."""
     content = reply.content
     if len(content.array_records) != 1:
         raise InvalidUpdate(f"expected exactly one ArrayRecord, got {len(content.array_records)}")
-    if len(content.metric_records) != 1:
-        raise InvalidUpdate(f"expected exactly one MetricRecord, got {len(content.metric_records)}")
+    metrics = read_metrics(reply)
     record = next(iter(content.array_records.values()))
-    metrics = next(iter(content.metric_records.values()))
     missing, extra = sorted(set(expected) - set(record)), sorted(set(record) - set(expected))
     if missing or extra:
         raise InvalidUpdate(f"arrays differ from the global model: missing {missing}, unexpected {extra}")
     arrays = {name: check_array(name, record[name], base.shape, base.dtype) for name, base in expected.items()}
     return arrays, metrics
-
-
-def check_update(
-    reply: Message, sent: Mapping[str, np.ndarray], num_classes: int | None = None
-) -> dict[str, np.ndarray]:
-    """The delta ``reply - sent`` (float64 per array) of a structurally valid train reply,
-    or :class:`InvalidUpdate` naming the fault. ``sent``: the global arrays that site got."""
-    arrays, metrics = read_reply(reply, sent)
-    delta = {name: arrays[name].astype(np.float64) - base.astype(np.float64) for name, base in sent.items()}
-
-    n = metrics.get(wire.NUM_EXAMPLES)
-    if n is None:
-        raise InvalidUpdate(f"no {wire.NUM_EXAMPLES!r} metric")
-    if not (_is_real(n) and n >= 0 and float(n).is_integer()):
-        raise InvalidUpdate(f"{wire.NUM_EXAMPLES} = {n!r}: expected a whole number >= 0")
-    histogram = metrics.get(wire.LABEL_HISTOGRAM)
-    if histogram is not None:
-        check_histogram(histogram, num_classes, n)
-    return delta
 
 
 def _norm(delta: Mapping[str, np.ndarray]) -> float:
@@ -389,36 +377,29 @@ class UpdateScreen:
         self.alignment.load_state_dict(state["alignment"])
         self.flagged = {str(site) for site in state["flagged"]}
 
+    def grow_classes(self, num_classes: int) -> None:
+        """The head grew: a valid label histogram has ``num_classes`` counts."""
+        self.num_classes = int(num_classes)
+
     def __call__(self, instructions: Mapping[int, Message], replies: list[Message]) -> list[Message]:
-        out = list(replies)
-        valid: list[tuple[int, float, float]] = []  # (position in out, update norm, num-examples)
-        decoded: dict[int, dict[str, np.ndarray]] = {}  # the sites share one global ArrayRecord
-        deltas: dict[int, tuple] = {}  # position in out -> (sent, delta), for scaling an update down
-        zero_examples: list[int] = []  # positions of replies that trained on no windows
-        for i, reply in enumerate(out):
-            instruction = instructions.get(reply.metadata.src_node_id)
-            if reply.has_error() or instruction is None or instruction.metadata.message_type != MessageType.TRAIN:
-                continue
-            if wire.ARRAYS not in instruction.content.array_records:
-                continue
-            record = instruction.content[wire.ARRAYS]
-            if id(record) not in decoded:
-                decoded[id(record)] = {name: a.numpy() for name, a in record.items()}
-            sent = decoded[id(record)]
-            try:
-                delta = check_update(reply, sent, self.num_classes)
-            except InvalidUpdate as err:
-                out[i] = _rejected(instruction, str(err), reply)
-                continue
-            claimed = next(iter(reply.content.metric_records.values()))[wire.NUM_EXAMPLES]  # checked above
-            deltas[i] = (sent, delta)
-            if claimed == 0:  # trained on nothing (its classes are all new to the head): no update,
-                zero_examples.append(i)  # whatever it sent (a robust mean does not weigh by examples)
-                continue
-            valid.append((i, _norm(delta), float(claimed)))
+        """The round's replies, each decoded once and screened (:class:`fedind.server.pipeline.ReplyPipeline`
+        with this screen and no top-k decoder)."""
+        from .pipeline import ReplyPipeline  # the pipeline composes the screen
+
+        return ReplyPipeline(screen=self)(instructions, replies)
+
+    def rules(self, updates: Sequence) -> dict[int, str | float]:
+        """The round rules over the round's decoded updates
+        (:class:`fedind.server.pipeline.SiteUpdate`): position -> the reason it is rejected,
+        or the factor (< 1) its update is scaled down by. Updates without one are accepted as
+        they are; so are those with no update (nothing to weigh or scale)."""
+        valid: list[tuple[int, float, float]] = []  # (position, update norm, num-examples)
+        for i, update in enumerate(updates):
+            if update.has_update:
+                valid.append((i, _norm(update.delta), update.num_examples))
         rules = [("update norm", 1, self.norm_rule), (wire.NUM_EXAMPLES, 2, self.count_rule)]
-        reasons: dict[int, str] = {}  # position in out -> the first rule that rejects it
-        factors: dict[int, float] = {}  # position in out -> the factor its update is scaled by
+        reasons: dict[int, str] = {}  # position -> the first rule that rejects it
+        factors: dict[int, float] = {}  # position -> the factor its update is scaled by
         for label, column, active in rules:
             if not (active and valid):
                 continue
@@ -431,7 +412,7 @@ class UpdateScreen:
                 if column == 1 and value <= ceiling:  # an outlying norm short of the ceiling: scaled down
                     factors[i] = bound / value
                     log(WARNING, "update of site %s scaled down to the norm rule's bound: norm %.4g is %.3gx the "
-                        "round's median %.4g (bound %.3gx)", site_id_of(out[i]), value, value / median, median,
+                        "round's median %.4g (bound %.3gx)", updates[i].site_id, value, value / median, median,
                         bound / median)
                     continue
                 reasons[i] = (
@@ -440,31 +421,27 @@ class UpdateScreen:
                 )
         if self.alignment_threshold is not None:
             for i, _, _ in valid:
-                reason = self._misaligned(out[i], deltas[i][1])
+                reason = self._misaligned(updates[i])
                 if reason and i not in reasons:
                     reasons[i] = reason
-        for i, reason in reasons.items():
-            out[i] = _rejected(instructions[out[i].metadata.src_node_id], reason, out[i])
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
                 factors[i] = min(factor, factors.get(i, 1.0))
-        factors.update({i: 0.0 for i in zero_examples})
-        for i, factor in factors.items():
-            if factor < 1.0 and i not in reasons:
-                out[i] = _clipped(instructions[out[i].metadata.src_node_id], out[i], *deltas[i], factor)
-        return out
+        verdicts: dict[int, str | float] = {i: f for i, f in factors.items() if f < 1.0}
+        verdicts.update(reasons)
+        return verdicts
 
-    def _misaligned(self, reply: Message, delta: Mapping[str, np.ndarray]) -> str | None:
-        """Fold this reply's label alignment into its site's record; the rejection reason
+    def _misaligned(self, update) -> str | None:
+        """Fold this update's label alignment into its site's record; the rejection reason
         when the record is below the threshold (None otherwise, and when it has no
         histogram or the model no ``bias_name``)."""
-        histogram = next(iter(reply.content.metric_records.values())).get(wire.LABEL_HISTOGRAM)
+        histogram, delta = update.histogram, update.delta
         if histogram is None or self.bias_name not in delta:
             return None
         alignment = label_alignment(delta[self.bias_name], histogram)
         if not math.isfinite(alignment):
             return None
-        site = site_id_of(reply)
+        site = update.site_id
         mean, rounds = self.alignment.add(site, alignment)
         if site in self.flagged and self.alignment_release is None:
             return (
@@ -481,21 +458,3 @@ class UpdateScreen:
             f"label alignment {mean:.2f} < {bar:g}: its {self.bias_name} update runs against its own label "
             f"shares (decayed mean over {rounds} rounds, this round {alignment:.2f})"
         )
-
-
-def _clipped(instruction: Message, reply: Message, sent: Mapping[str, np.ndarray],
-             delta: Mapping[str, np.ndarray], factor: float) -> Message:
-    """``reply`` with its weights replaced by ``sent + factor * delta`` (each array's dtype)."""
-    (key, _), = reply.content.array_records.items()  # exactly one: checked by read_reply
-    arrays = ArrayRecord({name: Array((base + factor * delta[name]).astype(base.dtype)) for name, base in sent.items()})
-    content = RecordDict({name: (arrays if name == key else record) for name, record in reply.content.items()})
-    return Message(content, reply_to=instruction)
-
-
-def _rejected(instruction: Message, reason: str, reply: Message) -> Message:
-    """The error reply that replaces ``reply``; the reason names the site that sent it (the
-    site id in its reply, else its node), so the server log says who was screened out."""
-    return Message(
-        Error(code=REJECTED_UPDATE, reason=f"rejected update: {reason} (site {site_id_of(reply)})"),
-        reply_to=instruction,
-    )

@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
-from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, FedTrimmedAvg, Krum, Strategy
+from flwr.serverapp import strategy as flwr_strategy
+from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from ..aggregation.robust import CenteredClipping
@@ -15,7 +16,92 @@ from ..continual.expansion import pad_head_rows, zero_head_rows
 from .dwa import DWA
 
 
-class TrimmedFedAvgM(FedAvgM, FedTrimmedAvg):
+# ---------------------------------------------------------------------- Flower's built-ins
+# Thin subclasses: each takes the pipeline's replies (fedind.server.pipeline; a reply whose
+# typed update is "no update" carries nothing to average) and keeps its own state, saved and
+# edited only through its methods: state_dict / load_state_dict (the checkpoint) and
+# follow_global_model (the server edited the global model after the strategy's step).
+
+Edit = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+class _Typed:
+    """Flower's ``aggregate_train`` over the replies that carry an update."""
+
+    def aggregate_train(self, server_round: int, replies):
+        kept = [r for r in replies if getattr(getattr(r, "update", None), "has_update", True)]
+        return super().aggregate_train(server_round, kept)
+
+    def state_dict(self) -> dict:
+        return {}  # stateless between rounds
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got {sorted(state)}")
+
+    def follow_global_model(self, arrays: ArrayRecord, edit: Edit | None = None) -> None:
+        """Nothing to follow: the strategy steps from what configure_train gets."""
+
+
+class FedAvg(_Typed, flwr_strategy.FedAvg):
+    pass
+
+
+class FedProx(_Typed, flwr_strategy.FedProx):
+    pass
+
+
+class FedMedian(_Typed, flwr_strategy.FedMedian):
+    pass
+
+
+class FedTrimmedAvg(_Typed, flwr_strategy.FedTrimmedAvg):
+    pass
+
+
+class Krum(_Typed, flwr_strategy.Krum):
+    pass
+
+
+class FedAvgM(_Typed, flwr_strategy.FedAvgM):
+    """Flower's FedAvgM; its momentum (a list aligned with the arrays) saved and edited here."""
+
+    def state_dict(self) -> dict:
+        return {"momentum_vector": self.momentum_vector}
+
+    def load_state_dict(self, state: dict) -> None:
+        vector = state["momentum_vector"]
+        self.momentum_vector = None if vector is None else [np.asarray(v) for v in vector]
+
+    def follow_global_model(self, arrays: ArrayRecord, edit: Edit | None = None) -> None:
+        """``arrays`` is the model to step from; ``edit`` maps the momentum (name -> array).
+        FedAvgM keeps its own copy of the model from the round before: an edit it did not
+        see would enter its pseudo-gradient, and momentum would repeat it round after round."""
+        if edit is not None and self.momentum_vector is not None:
+            names = list(arrays.keys())
+            edited = edit(dict(zip(names, self.momentum_vector, strict=True)))
+            self.momentum_vector = [edited[name] for name in names]
+        self.current_arrays = arrays
+
+
+class FedAdam(_Typed, flwr_strategy.FedAdam):
+    """Flower's FedAdam; its first and second moments saved and edited here."""
+
+    def state_dict(self) -> dict:
+        return {"m_t": self.m_t, "v_t": self.v_t}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.m_t = None if state["m_t"] is None else {k: np.asarray(v) for k, v in state["m_t"].items()}
+        self.v_t = None if state["v_t"] is None else {k: np.asarray(v) for k, v in state["v_t"].items()}
+
+    def follow_global_model(self, arrays: ArrayRecord, edit: Edit | None = None) -> None:
+        if edit is not None:
+            self.m_t = None if self.m_t is None else edit(self.m_t)
+            self.v_t = None if self.v_t is None else edit(self.v_t)
+        self.current_arrays = {name: array.numpy() for name, array in arrays.items()}
+
+
+class TrimmedFedAvgM(FedAvgM, flwr_strategy.FedTrimmedAvg):
     """FedAvgM's server momentum over FedTrimmedAvg's coordinate-wise trimmed mean.
 
     Flower's robust aggregators drop what server momentum gives on Non-IID sites, and
@@ -109,14 +195,13 @@ def average_scalar_metrics(records: list[RecordDict], weight_key: str) -> Metric
 
 
 def strategy_state(strategy: Strategy) -> dict:
-    """The strategy's cross-round state as JSON values and numpy arrays."""
+    """The strategy's cross-round state as JSON values and numpy arrays (its ``state_dict``;
+    fedind's own strategies under ``state_dict``, as checkpoints have it)."""
+    if isinstance(strategy, _Typed):  # Flower's built-ins: momentum_vector, m_t / v_t, or nothing
+        return strategy.state_dict()
     if callable(getattr(strategy, "state_dict", None)):  # fedind's dwa and SecureAggregation
         return {"state_dict": strategy.state_dict()}
-    if isinstance(strategy, FedAvgM):  # server momentum, a list aligned with the arrays
-        return {"momentum_vector": strategy.momentum_vector}
-    if isinstance(strategy, FedAdam):  # first and second moments
-        return {"m_t": strategy.m_t, "v_t": strategy.v_t}
-    return {}  # fedavg, fedprox, fedmedian, fedtrimmedavg, krum: stateless between rounds
+    return {}  # a Strategy fedind did not build keeps what it keeps
 
 
 def load_strategy_state(strategy: Strategy, state: dict) -> None:
@@ -124,22 +209,16 @@ def load_strategy_state(strategy: Strategy, state: dict) -> None:
     expected = set(strategy_state(strategy))
     if set(state) != expected:
         raise ValueError(f"checkpointed strategy state has {sorted(state)}, this strategy needs {sorted(expected)}")
-    if "state_dict" in state:
+    if isinstance(strategy, _Typed):
+        strategy.load_state_dict(state)
+    elif "state_dict" in state:
         strategy.load_state_dict(state["state_dict"])
-    elif isinstance(strategy, FedAvgM):
-        vector = state["momentum_vector"]
-        strategy.momentum_vector = None if vector is None else [np.asarray(v) for v in vector]
-    elif isinstance(strategy, FedAdam):
-        strategy.m_t = None if state["m_t"] is None else {k: np.asarray(v) for k, v in state["m_t"].items()}
-        strategy.v_t = None if state["v_t"] is None else {k: np.asarray(v) for k, v in state["v_t"].items()}
 
 
 # ---------------------------------------------------------------------- edits of the global model
 # The server may change the global model after the strategy's step (a grown head, refitted
-# young rows, EWC damping). The strategy must step from the edited model next round:
-# FedAvgM keeps its own copy from the round before, and an edit it did not see would enter
-# its pseudo-gradient as if its own step had made it, and momentum would repeat it round
-# after round (an edit d adds up to d / (1 - beta), 10 d at beta = 0.9).
+# young rows, EWC damping). The strategy must step from the edited model next round
+# (its follow_global_model): an edit d it did not see adds up to d / (1 - beta) under momentum.
 
 
 def adopt_global_model(strategy: Strategy, arrays: ArrayRecord) -> None:
@@ -163,47 +242,14 @@ def reset_strategy_rows(strategy: Strategy, arrays: ArrayRecord, classes) -> Non
     _edit_strategy_state(strategy, arrays, lambda state: zero_head_rows(state, classes))
 
 
-def _edit_strategy_state(
-    strategy: Strategy,
-    arrays: ArrayRecord,
-    edit: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
-    num_classes: int | None = None,
-) -> None:
-    """``arrays`` becomes the strategy's current model and ``edit`` (None: leave it) maps
-    every piece of its cross-round state aligned with the arrays (name -> array);
-    ``num_classes`` (a grown head) also pads DWA's label histograms. Stateless strategies
-    need nothing; a strategy whose state this does not know is a ValueError (RunConfig
-    refuses such combinations)."""
-    names = list(arrays.keys())
+def _edit_strategy_state(strategy: Strategy, arrays: ArrayRecord, edit: Edit | None, num_classes: int | None = None) -> None:
+    """Tell the strategy (its ``follow_global_model``) that ``arrays`` is its current model
+    and ``edit`` (None: leave it) maps its cross-round state aligned with the arrays;
+    ``num_classes``: the head grew (DWA pads its label histograms). A strategy that keeps
+    state and has no such method is a ValueError (RunConfig refuses such combinations)."""
     if isinstance(strategy, DWA):
-        strategy.current_arrays = arrays  # first: load_state_dict checks the buffers against it
-        if edit is not None:  # adoption alone copies no buffers
-            state = strategy.state_dict()
-            histogram = state["global_histogram"]
-            if histogram is not None and num_classes is not None:
-                histogram = {
-                    "num_classes": num_classes,
-                    "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in histogram["sites"].items()},
-                }
-            state = {
-                "global_histogram": histogram,
-                "momentum": {"buffers": edit(state["momentum"]["buffers"])},
-                "server_momentum": None
-                if state["server_momentum"] is None
-                else {"buffers": edit(state["server_momentum"]["buffers"])},
-            } | ({"robust": {"center": edit(state["robust"]["center"])}} if "robust" in state else {})
-            if num_classes is not None:
-                strategy.num_classes = num_classes
-            strategy.load_state_dict(state)
-    elif isinstance(strategy, FedAvgM):
-        if edit is not None and strategy.momentum_vector is not None:
-            edited = edit(dict(zip(names, strategy.momentum_vector, strict=True)))
-            strategy.momentum_vector = [edited[name] for name in names]
-        strategy.current_arrays = arrays
-    elif isinstance(strategy, FedAdam):
-        if edit is not None:
-            strategy.m_t = None if strategy.m_t is None else edit(strategy.m_t)
-            strategy.v_t = None if strategy.v_t is None else edit(strategy.v_t)
-        strategy.current_arrays = {name: array.numpy() for name, array in arrays.items()}
+        strategy.follow_global_model(arrays, edit, num_classes)
+    elif isinstance(strategy, _Typed):
+        strategy.follow_global_model(arrays, edit)
     elif strategy_state(strategy):
         raise ValueError(f"{type(strategy).__name__} keeps state an edit of the global model cannot follow")

@@ -29,7 +29,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from .. import wire
 from ..config import RunConfig
 from ..continual.phases import classes_seen, evaluate_known, known, propose_new_rows
-from ..server.continual import (
+from ..continual.site import (
     load_replay,
     offered_phase,
     pad_residuals,

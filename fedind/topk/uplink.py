@@ -3,8 +3,9 @@ dense weights, and the server-side decoder that turns it back into dense weights
 
 Site::   reply weights w_local  ->  delta = w_local - w_global  ->  ErrorFeedback.compress
          -> encode -> ConfigRecord ``sparse-update`` (no ArrayRecord on the wire)
-Server:: decode against the w_global sent to that site -> ArrayRecord ``arrays`` =
-         w_global + delta, so every strategy (Flower's or fedind's) aggregates as usual.
+Server:: decode against the w_global sent to that site (:meth:`TopkUplink.decode`, called
+         once per reply by :func:`fedind.server.pipeline.decode_reply`) -> the site's
+         weights w_global + gain * delta, its typed update for every strategy.
 A payload that fails validation becomes an error reply with the reason: the strategy logs
 it and drops that site for the round; nothing of it reaches the model.
 
@@ -97,12 +98,11 @@ def _sent_change(instruction: Message, reply: Message) -> dict[str, np.ndarray]:
     return decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(instruction.content[wire.ARRAYS]))
 
 
-def _with_weights(instruction: Message, reply: Message, delta: dict[str, np.ndarray], gain: float = 1.0) -> Message:
-    """``reply`` carrying dense ``arrays`` = the global weights sent plus ``gain * delta``,
-    in place of its sparse payload (and estimate token)."""
+def _with_weights(instruction: Message, reply: Message, change: dict[str, np.ndarray]) -> Message:
+    """``reply`` carrying dense ``arrays`` = the global weights sent plus ``change``, in
+    place of its sparse payload (and estimate token)."""
     sent = {name: array.numpy() for name, array in instruction.content[wire.ARRAYS].items()}
-    scale = np.float32(gain)
-    dense = ArrayRecord({name: Array((base + scale * delta[name]).astype(base.dtype)) for name, base in sent.items()})
+    dense = ArrayRecord({name: Array((base + change[name]).astype(base.dtype)) for name, base in sent.items()})
     dropped = (wire.SPARSE_UPDATE, wire.TOPK_ESTIMATE)
     content = RecordDict({name: record for name, record in reply.content.items() if name not in dropped})
     content[wire.ARRAYS] = dense
@@ -110,24 +110,49 @@ def _with_weights(instruction: Message, reply: Message, delta: dict[str, np.ndar
 
 
 def densify_reply(instruction: Message, reply: Message, gain: float = 1.0) -> Message:
-    """Server side: a reply carrying ``sparse-update`` becomes one carrying dense ``arrays``
-    (the global weights sent to that site plus ``gain`` times the decoded delta, run
-    config ``topk-gain``); a malformed payload becomes an error reply naming the fault.
-    Other replies pass unchanged.
-
-    Why a gain: a top-k reply carries only part of the site's update each round; the rest
-    waits in its decaying residual and arrives rounds later or not at all, so training
-    advances more slowly than with dense updates under the same round budget. Scaling
-    every sparse delta alike is the same as a larger server learning rate for FedAvg-type
-    strategies, and works with any strategy (README, *Top-k sparse uplink*, has what it
-    measured)."""
+    """A reply carrying ``sparse-update`` as one carrying dense ``arrays`` (the global weights
+    sent to that site plus ``gain`` times the decoded delta); a malformed payload becomes an
+    error reply naming the fault; other replies pass unchanged. For a server without
+    :class:`~fedind.server.pipeline.ReplyPipeline` (fedind's decodes in the pipeline)."""
     if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
         return reply
     try:
-        delta = _sent_change(instruction, reply)
+        change = TopkUplink(gain).decode(instruction, reply)
     except PayloadError as err:
         return _rejected(instruction, str(err))
-    return _with_weights(instruction, reply, delta, gain)
+    return _with_weights(instruction, reply, change)
+
+
+class TopkUplink:
+    """Server side of error-feedback top-k: :meth:`decode` turns a reply's payload into the
+    dense change ``gain * delta`` to add to the global weights sent to that site.
+
+    Why a gain (run config ``topk-gain``): a top-k reply carries only part of the site's
+    update each round; the rest waits in its decaying residual and arrives rounds later or
+    not at all, so training advances more slowly than with dense updates under the same
+    round budget. Scaling every sparse delta alike is the same as a larger server learning
+    rate for FedAvg-type strategies, and works with any strategy
+    (docs/benchmarks has what it measured).
+
+    Also the grid's transform (:class:`~fedind.server.metering.MeteredGrid`): nothing to
+    add to outgoing messages, nothing to do to a reply on arrival, nothing to settle."""
+
+    def __init__(self, gain: float = 1.0) -> None:
+        self.gain = float(gain)
+
+    def decode(self, instruction: Message, reply: Message) -> dict[str, np.ndarray]:
+        """The dense float32 change ``gain * delta``; :class:`PayloadError` naming the fault."""
+        scale = np.float32(self.gain)
+        return {name: scale * d for name, d in _sent_change(instruction, reply).items()}
+
+    def prepare(self, message: Message) -> Message:
+        return message
+
+    def __call__(self, instruction: Message, reply: Message) -> Message:
+        return reply
+
+    def settle(self, accepted: set[int]) -> None:
+        pass
 
 
 class EstimateUplink:
@@ -137,10 +162,9 @@ class EstimateUplink:
 
     - :meth:`prepare` (every outgoing train instruction): adds the token of the estimate
       held for that node (``""``: none, the site starts from zeros);
-    - ``__call__`` (every reply, as :class:`~fedind.server.metering.MeteredGrid`'s transform):
-      decodes the payload, adds it to the estimate the site says it used (zeros or the one
-      held; any other base is rejected) and turns the reply into dense weights
-      ``global + estimate``;
+    - :meth:`decode` (every reply, once, by :func:`fedind.server.pipeline.decode_reply`):
+      decodes the payload and adds it to the estimate the site says it used (zeros or the
+      one held; any other base is rejected): the site's change is ``estimate``;
     - :meth:`settle` (after the round's screen): keeps the new estimates of accepted
       replies, forgets those of rejected ones, so a site whose update was screened out
       starts again from zeros next round rather than building on it.
@@ -166,14 +190,18 @@ class EstimateUplink:
         return message
 
     def __call__(self, instruction: Message, reply: Message) -> Message:
-        if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
-            return reply
+        """As the grid's transform: nothing to do on arrival (the pipeline decodes)."""
+        return reply
+
+    def decode(self, instruction: Message, reply: Message) -> dict[str, np.ndarray]:
+        """The site's new estimate (its change to the global weights); :class:`PayloadError`
+        naming the fault (the estimate held for it is then forgotten)."""
         node = instruction.metadata.dst_node_id
         try:
             change = _sent_change(instruction, reply)
-        except PayloadError as err:
+        except PayloadError:
             self._forget(node)
-            return _rejected(instruction, str(err))
+            raise
         base = reply.content.config_records.get(wire.TOPK_ESTIMATE, {}).get(wire.TOKEN)
         if base == "":
             estimate = change
@@ -183,9 +211,19 @@ class EstimateUplink:
         else:
             held = self._tokens.get(node, "")
             self._forget(node)
-            return _rejected(instruction, f"estimate base {base!r} is not the one held for this site ({held!r})")
+            raise PayloadError(f"estimate base {base!r} is not the one held for this site ({held!r})")
         self._pending[node] = estimate
-        return _with_weights(instruction, reply, estimate)
+        return estimate
+
+    def densify(self, instruction: Message, reply: Message) -> Message:
+        """:meth:`decode` as a reply with dense weights (an error reply for a bad payload),
+        for a server without :class:`~fedind.server.pipeline.ReplyPipeline`."""
+        if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
+            return reply
+        try:
+            return _with_weights(instruction, reply, self.decode(instruction, reply))
+        except PayloadError as err:
+            return _rejected(instruction, str(err))
 
     def settle(self, accepted: set[int]) -> None:
         """Commit this round's estimates for the ``accepted`` node ids; drop the others'."""
