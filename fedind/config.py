@@ -74,6 +74,8 @@ class RunConfig:
     server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
     restart_agreement: float = 0.5  # dwa: restart a coordinate only where the sites' sign agreement is at least this (0 = wherever the mean opposes the buffer)
+    cclip_radius: float = 0.0  # dwa: centered clipping of bucketed updates at this many times their median distance to the server momentum (0 = off; fedind.aggregation.robust)
+    cclip_bucket: int = 2  # dwa, with cclip-radius: sites averaged per random bucket before clipping
     alignment_threshold: float = -0.4  # screen: reject a site whose decayed label alignment is below this (-1 = off; fedind.server.screening)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
@@ -153,6 +155,8 @@ class RunConfig:
             "conflict-momentum": 0 <= self.conflict_momentum < 1,
             "conflict-damping": 0 <= self.conflict_damping <= 1,
             "restart-agreement": 0 <= self.restart_agreement <= 1,
+            "cclip-radius": math.isfinite(self.cclip_radius) and self.cclip_radius >= 0,
+            "cclip-bucket": self.cclip_bucket >= 1,
             "alignment-threshold": -1 <= self.alignment_threshold <= 1,
             "compression": self.compression in COMPRESSIONS,
             "topk-ratio": 0 < self.topk_ratio <= 1,
@@ -202,6 +206,11 @@ class RunConfig:
                 hint = f" (choose from {', '.join(STRATEGIES)})" if key == "strategy" else ""
                 raise ConfigError(f"Invalid run config {key} = {value!r}{hint}")
         self._check_phases()
+        if self.cclip_radius > 0 and self.strategy not in DWA_STRATEGIES:
+            raise ConfigError(
+                f"Invalid run config cclip-radius = {self.cclip_radius!r} with strategy = {self.strategy!r}: "
+                f"centered clipping runs inside {' and '.join(DWA_STRATEGIES)}; set cclip-radius = 0"
+            )
         if self.encryption == "paillier":
             self._check_encryption()
 
@@ -306,6 +315,11 @@ class RunConfig:
             raise ConfigError(
                 f"Invalid run config topk-feedback = {self.topk_feedback!r}: {why}, and the EF21 estimate "
                 f"needs each site's sparse change in the clear; set topk-feedback = 'residual'"
+            )
+        if self.cclip_radius > 0:
+            raise ConfigError(
+                f"Invalid run config cclip-radius = {self.cclip_radius!r}: {why}, and centered clipping "
+                f"needs every site's update; set cclip-radius = 0"
             )
         if self.strategy in DWA_STRATEGIES and self.conflict_buffer and self.dwa_momentum == 0:
             raise ConfigError(

@@ -52,6 +52,7 @@ PAGES: tuple[tuple[str, str], ...] = (
     ("conflict-", "dwa.md"),
     ("server-restart", "dwa.md"),
     ("restart-agreement", "dwa.md"),
+    ("cclip-", "screening.md"),
     ("alignment-threshold", "screening.md"),
     ("compression", "compression.md"),
     ("topk-", "compression.md"),

@@ -50,6 +50,7 @@ SITE_ID = "site-id"
 CONFLICT_SHARE = "conflict-share"  # share of coordinates whose sign agreement is below the threshold
 DWA_WEIGHT_MIN = "dwa-weight-min"  # smallest aggregation weight given to a site this round
 DWA_WEIGHT_MAX = "dwa-weight-max"  # largest aggregation weight given to a site this round
+CCLIP_SHARE = "cclip-share"  # share of the round's buckets that centered clipping shortened
 RESTART_SHARE = "restart-share"  # share of coordinates whose server momentum was reset this round
 
 # Continual learning (fedind.continual.phases)

@@ -18,6 +18,18 @@ one, and its label-alignment rule the classifier-bias update, reversed by ``sign
 (and left honest by ``bodyflip``). Every strategy runs behind that screen, as the server
 always does for plaintext updates; Flower's robust aggregators then see what passed it.
 
+The adaptive attacks of the robust-aggregation literature, all attacked sites sending the
+same update (colluding) computed from every site's honest update of the round (the
+strongest setting; :func:`collude`, applied where the server receives the round's replies,
+before the screen): ``alie<z>`` (Baruch et al. 2019: mean − z·std, coordinate-wise),
+``ipm<ε>`` (Xie et al. 2020: −ε·mean), ``minmax`` / ``minsum`` (Shejwalkar & Houmansadr
+2021: mean − γ·std, γ the largest that keeps it within the honest updates' largest
+distance / sum of squared distances). ``labelflip<c>``: the attacked lines train honestly
+on data whose class ``c`` is labelled healthy (class 0): a targeted attack, or a plain
+mislabelled line, judged by class ``c``'s recall (``--runtime loopback`` only: the data
+are relabelled in this process). Every run's ``recall.json`` holds the final model's
+per-class recall on the server's test set, and the table shows it for every row.
+
 Variants: each strategy (``--strategies``) clean and under each attack (``--attacks``),
 same seeds and data. Reports final and best global accuracy, the drop vs the same
 strategy's clean run and vs the default strategy's (fedavgm) clean run, and the replies
@@ -72,15 +84,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simulations.common import parse_overrides, saved_figure  # noqa: E402
 
 import fedind.server.app  # noqa: E402
+import fedind.site.app  # noqa: E402
 from fedind import wire  # noqa: E402
 from fedind.site.app import site_app  # noqa: E402
 from fedind.server.screening import UpdateScreen, label_alignment  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 
-KINDS = ("scale", "signflip", "bodyflip", "absent")
+KINDS = ("scale", "signflip", "bodyflip", "absent", "alie", "ipm", "minmax", "minsum", "labelflip")
+# Attacks whose update is computed from the round's honest updates (colluding, omniscient):
+# applied where the server receives the round's replies, before it screens them.
+OMNISCIENT = ("alie", "ipm", "minmax", "minsum")
+UNPARAMETRISED = ("absent", "minmax", "minsum")
 ABSENT_CODE = wire.SITE_ABSENT  # Error code of the absent site's train reply
 HONEST_IN_BODYFLIP = "head.bias"  # the array a bodyflip attacker leaves as trained: what the alignment rule reads
-DEFAULT_STRATEGY = "fedavgm"
 CLEAN = "clean"
 
 
@@ -89,7 +105,8 @@ CLEAN = "clean"
 
 @dataclass(frozen=True)
 class Attack:
-    """``kind`` in :data:`KINDS`, ``strength`` λ > 0 (1 for ``absent``)."""
+    """``kind`` in :data:`KINDS`, ``strength`` λ > 0 (1 for ``absent``, ``minmax``, ``minsum``;
+    z for ``alie``, ε for ``ipm``, the relabelled class for ``labelflip``)."""
 
     kind: str
     strength: float
@@ -99,22 +116,26 @@ class Attack:
             raise ValueError(f"Invalid attack kind: {self.kind!r} (choose from {', '.join(KINDS)})")
         if not (np.isfinite(self.strength) and self.strength > 0):
             raise ValueError(f"Invalid attack strength: {self.strength!r}")
-        if self.kind == "absent" and self.strength != 1.0:
-            raise ValueError(f"Invalid attack strength: {self.strength!r} (absent takes none)")
+        if self.kind in UNPARAMETRISED and self.strength != 1.0:
+            raise ValueError(f"Invalid attack strength: {self.strength!r} ({self.kind} takes none)")
+        if self.kind == "labelflip" and self.strength != int(self.strength):
+            raise ValueError(f"Invalid attack strength: {self.strength!r} (labelflip takes a class, >= 1)")
 
     @property
     def name(self) -> str:
-        return "absent" if self.kind == "absent" else f"{self.kind}{self.strength:g}"
+        return self.kind if self.kind in UNPARAMETRISED else f"{self.kind}{self.strength:g}"
 
     @classmethod
     def parse(cls, text: str) -> "Attack":
-        """``scale10``, ``signflip4``, ``scale2.5``, ``absent``."""
-        if text == "absent":
-            return cls("absent", 1.0)
-        match = re.fullmatch(r"(scale|signflip|bodyflip)([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)", text)
+        """``scale10``, ``signflip4``, ``scale2.5``, ``absent``, ``alie1``, ``ipm10``, ``minmax``,
+        ``minsum``, ``labelflip3``."""
+        if text in UNPARAMETRISED:
+            return cls(text, 1.0)
+        match = re.fullmatch(r"(scale|signflip|bodyflip|alie|ipm|labelflip)([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)", text)
         if match is None:
             raise ValueError(
-                f"Invalid attack {text!r}: expected scale<λ>, signflip<λ>, bodyflip<λ> or absent, e.g. scale10"
+                f"Invalid attack {text!r}: expected scale<λ>, signflip<λ>, bodyflip<λ>, alie<z>, ipm<ε>, "
+                f"labelflip<class>, minmax, minsum or absent, e.g. scale10"
             )
         return cls(match.group(1), float(match.group(2)))
 
@@ -127,8 +148,8 @@ def poison(
     trained), per array, in float64 and cast back to each array's dtype. ``sent``: the
     global weights ``g``; ``trained``: the honest ``w``. Non-float arrays pass unchanged.
     (``absent`` has no weights: :class:`PoisonMod`.)"""
-    if attack.kind == "absent":
-        raise ValueError("the absent attack sends no weights")
+    if attack.kind not in ("scale", "signflip", "bodyflip"):
+        raise ValueError(f"the {attack.kind} attack sends no weights computed from the site's own alone")
     if set(sent) != set(trained):
         raise ValueError(f"arrays differ: {sorted(set(sent) ^ set(trained))}")
     sign = 1.0 if attack.kind == "scale" else -1.0
@@ -159,6 +180,8 @@ class PoisonMod:
             return reply
         if int(context.node_config.get("partition-id", -1)) not in self.sites:
             return reply
+        if self.attack.kind in OMNISCIENT or self.attack.kind == "labelflip":
+            return reply  # trained honestly (on relabelled data); replaced at the server (collude)
         if self.attack.kind == "absent":
             return Message(Error(code=ABSENT_CODE, reason="poisoning benchmark: this site is absent"), reply_to=msg)
         sent, trained = msg.content[wire.ARRAYS], reply.content[wire.ARRAYS]
@@ -173,6 +196,114 @@ class PoisonMod:
 def attacked_app(attack: Attack, sites: tuple[int, ...]) -> ClientApp:
     """fedind's site agent (same handlers and mods) with :class:`PoisonMod` innermost."""
     return site_app(PoisonMod(attack, sites))
+
+
+# --------------------------------------------------------------------------- colluding attacks
+
+
+def colluding_update(honest: np.ndarray, attack: Attack) -> np.ndarray:
+    r"""The one update every colluding attacker sends, from the round's honest updates
+    ``honest`` [n, D] (every site's, the attackers' own honest ones included: the
+    strongest setting of the papers). With :math:`\mu`, :math:`\sigma` their coordinate-wise
+    mean and standard deviation:
+
+    - ``alie`` z (Baruch et al. 2019, "A little is enough"): :math:`\mu - z\sigma`;
+    - ``ipm`` ε (Xie et al. 2020, inner-product manipulation): :math:`-\varepsilon\mu`;
+    - ``minmax`` / ``minsum`` (Shejwalkar & Houmansadr 2021): :math:`\mu - \gamma\sigma` with
+      the largest :math:`\gamma` (bisection) whose largest distance to an honest update
+      (minmax), or whose sum of squared distances to them (minsum), is no more than the
+      largest such figure of an honest update: it stays inside the honest spread."""
+    h = np.asarray(honest, dtype=np.float64)
+    if h.ndim != 2 or len(h) < 2:
+        raise ValueError("colluding attacks need at least two honest updates")
+    mu, sigma = h.mean(axis=0), h.std(axis=0)
+    if attack.kind == "alie":
+        return mu - attack.strength * sigma
+    if attack.kind == "ipm":
+        return -attack.strength * mu
+    if attack.kind not in ("minmax", "minsum"):
+        raise ValueError(f"{attack.kind} is not a colluding attack")
+    gram = h @ h.T
+    sq = np.maximum(np.diag(gram)[:, None] + np.diag(gram)[None, :] - 2 * gram, 0.0)  # pairwise squared distances
+    bound = sq.max() if attack.kind == "minmax" else sq.sum(axis=1).max()
+
+    def inside(gamma: float) -> bool:
+        m = mu - gamma * sigma
+        d2 = np.maximum(np.sum(h * h, axis=1) - 2 * h @ m + m @ m, 0.0)
+        return (d2.max() if attack.kind == "minmax" else d2.sum()) <= bound
+
+    lo, hi = 0.0, 1.0
+    while inside(hi) and hi < 1e6:
+        lo, hi = hi, 2 * hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if inside(mid) else (lo, mid)
+    return mu - lo * sigma
+
+
+def collude(updates: list, attack: Attack, attackers: set[str]) -> None:
+    """Replace, in place, the update of every attacker (site id in ``attackers``) among the
+    round's typed updates (:class:`fedind.server.pipeline.SiteUpdate`, decoded, before the
+    screen's rules) by ``colluding_update`` over every site's honest delta (float arrays).
+    The classifier bias ``head.bias`` is sent as trained, as in ``bodyflip``: the attackers
+    know the screen's label-alignment rule, which reads that array only. In place because
+    the pipeline passes these same objects on to the strategy: the attackers know the
+    honest updates of the round, and the screen and the strategy see what they send."""
+    honest = [u for u in updates if u.has_update and u.weights is not None]
+    bad = [u for u in honest if u.site_id in attackers]
+    if not bad or len(honest) < 2:
+        return
+    names = sorted(n for n, w in bad[0].weights.items()
+                   if np.issubdtype(w.dtype, np.floating) and n != HONEST_IN_BODYFLIP)
+    flat = np.stack([np.concatenate([np.asarray(u.delta[n], np.float64).ravel() for n in names]) for u in honest])
+    update = colluding_update(flat, attack)
+    offsets = np.cumsum([0] + [bad[0].delta[n].size for n in names])
+    for u in bad:
+        for i, name in enumerate(names):
+            w = u.weights[name]
+            sent = w.astype(np.float64) - u.delta[name]
+            u.weights[name] = (sent + update[offsets[i]:offsets[i + 1]].reshape(w.shape)).astype(w.dtype)
+            u.delta[name] = u.weights[name].astype(np.float64) - sent
+
+
+def relabelled(load: Callable, sites: tuple[int, ...], target: int) -> Callable:
+    """``fedind.site.app.load_site_data`` whose training labels at partitions ``sites``
+    call class ``target`` healthy (class 0): a line that trains honestly on wrong labels
+    (``labelflip``), its histogram reporting them as it believes them."""
+    from fedind.data.format import SiteArrays
+    from fedind.data.sources import SiteData
+
+    def load_site_data(context, config, phase: int = 0):
+        site = load(context, config, phase)
+        if int(context.node_config.get("partition-id", -1)) not in sites:
+            return site
+        y = np.where(site.train.y == target, 0, site.train.y)
+        return SiteData(site.site_id, SiteArrays(site.train.x, y), site.test)
+
+    return load_site_data
+
+
+def class_recall(config, folder: Path) -> list[float | None]:
+    """Per-class recall of the run's final model on the server's test set (every phase's, together)."""
+    import torch
+
+    from fedind.data.sources import global_test_set, phase_test_set
+    from fedind.models import FaultCNN
+    from fedind.server.checkpoint import CheckpointStore
+    from fedind.training import evaluate
+
+    arrays = CheckpointStore(folder / "checkpoints").load_latest().arrays
+    model = FaultCNN.from_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+    if config.phases > 1:
+        sets = [phase_test_set(config.drift_spec(), config.data_root, q) for q in range(config.phases)]
+    else:
+        sets = [global_test_set(config.federation_spec(), config.data_root)]
+    from fedind.data.format import SiteArrays
+
+    test = SiteArrays(np.concatenate([t.x for t in sets]), np.concatenate([t.y for t in sets]))
+    confusion = evaluate(model, test, torch.device("cpu")).confusion
+    totals = confusion.sum(axis=1)
+    return [float(confusion[c, c] / totals[c]) if totals[c] else None for c in range(len(totals))]
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -214,17 +345,23 @@ def peer_cosines(deltas: Sequence[np.ndarray], histograms: Sequence[Sequence[flo
     return out
 
 
-def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[UpdateScreen]:
+def recording_screen(
+    rows: list[dict], clip_ratio: float | None = None, collusion: tuple[Attack, set[str]] | None = None
+) -> type[UpdateScreen]:
     """The server's :class:`UpdateScreen`, also appending to ``rows`` every train reply's
     update norm, its ratio to the round's median norm, its cosine to the coordinate-wise
     median update of the round and whether the screen rejected it. ``clip_ratio``: when
-    set, the screen's norm clip at that ratio (else the server's default)."""
+    set, the screen's norm clip at that ratio (else the server's default). ``collusion``:
+    ``(attack, attacker site ids)`` of a colluding attack, applied to the updates before
+    the rules (:func:`collude`)."""
 
     class RecordingScreen(UpdateScreen):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **({"clip_ratio": clip_ratio} | kwargs if clip_ratio is not None else kwargs))
 
         def rules(self, updates: list) -> dict:
+            if collusion is not None:
+                collude(updates, *collusion)
             verdicts = super().rules(updates)
             alignments = {}  # node -> this round's label alignment (fedind.server.screening.label_alignment)
             norms, labelled = {}, {}  # node -> (site, update); node -> (update, head update, histogram)
@@ -263,7 +400,8 @@ def recording_screen(rows: list[dict], clip_ratio: float | None = None) -> type[
 
 
 def measure(
-    config, attack: Attack | None, sites: tuple[int, ...], name: str, out: Path, clip_ratio: float | None = None
+    config, attack: Attack | None, sites: tuple[int, ...], name: str, out: Path, clip_ratio: float | None = None,
+    runtime: str = "ray",
 ) -> dict:
     """One run's figures (running it unless its results exist); the run's folder also gets
     ``norms.csv``: every train reply's update norm, its ratio to the round's median and its
@@ -272,14 +410,25 @@ def measure(
     if not (folder / "summary.json").exists():
         app = attacked_app(attack, sites) if attack is not None else None
         norms: list[dict] = []
-        with mock.patch.object(fedind.server.app, "UpdateScreen", recording_screen(norms, clip_ratio)):
-            simulate(replace(config, run_dir=str(out / "runs"), run_name=name), client_app=app)
+        collusion = None
+        if attack is not None and attack.kind in OMNISCIENT:
+            from fedind.data.federation import site_ids
+
+            collusion = (attack, {site_ids(config.num_sites)[i] for i in sites})
+        load = fedind.site.app.load_site_data
+        if attack is not None and attack.kind == "labelflip":
+            load = relabelled(load, sites, int(attack.strength))
+        with mock.patch.object(fedind.server.app, "UpdateScreen", recording_screen(norms, clip_ratio, collusion)), \
+                mock.patch.object(fedind.site.app, "load_site_data", load):
+            simulate(replace(config, run_dir=str(out / "runs"), run_name=name), client_app=app, runtime=runtime)
         with open(folder / "norms.csv", "w", newline="") as f:
             fields = ["round", "site", "norm", "ratio_to_median", "cosine_to_median_update", "peer_cosine",
                       "peer_cosine_head", "label_alignment", "rejected"]
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(norms)
+    if not (folder / "recall.json").exists():
+        (folder / "recall.json").write_text(json.dumps(class_recall(config, folder)))
     summary = json.loads((folder / "summary.json").read_text())
     with open(folder / "rounds.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -291,6 +440,7 @@ def measure(
         "rounds": len(rows),
         "seconds": summary["totals"]["seconds"],
         "curve": [float(r["accuracy"]) for r in rows],
+        "recall": json.loads((folder / "recall.json").read_text()),
     }
 
 
@@ -302,6 +452,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--clip-ratio", type=float, default=None,
                         help="run the server's screen with this norm clip (fedind.server.screening; default: the server's)")
+    parser.add_argument("--runtime", default="ray", help="fedind.simulation runtime: ray or loopback (one process)")
     parser.add_argument("--out", default="runs/poisoning")
     parser.add_argument("--no-run", action="store_true", help="tabulate the finished runs only, run nothing")
     args, overrides = parser.parse_known_args(argv)
@@ -309,19 +460,22 @@ def main(argv: list[str]) -> None:
     attacks = {CLEAN: None} | {a.name: a for a in map(Attack.parse, args.attacks)}
     strategies = list(dict.fromkeys(args.strategies))
     sites = tuple(args.sites)
+    if args.runtime != "loopback" and any(a is not None and a.kind == "labelflip" for a in attacks.values()):
+        raise SystemExit("labelflip relabels the site's data in this process: run it with --runtime loopback")
     if any(not 0 <= s < base.num_sites for s in sites):
         raise SystemExit(f"--sites {list(sites)}: partition ids are 0..{base.num_sites - 1}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    # The default strategy's clean run is every row's second reference.
-    order = ([(DEFAULT_STRATEGY, CLEAN)] if DEFAULT_STRATEGY not in strategies else []) + [
+    # The configured strategy's clean run (pyproject's: the recipe's) is every row's second reference.
+    reference = base.strategy
+    order = ([(reference, CLEAN)] if reference not in strategies else []) + [
         (s, a) for s in strategies for a in attacks
     ]
     if args.no_run:  # only the variants whose runs all exist, and only rows with both clean references
         done = {(s, a) for s, a in order if all(
             (out / "runs" / f"{s}-{a}-seed{seed}" / "summary.json").exists() for seed in args.seeds)}
-        order = [(s, a) for s, a in order if {(s, a), (s, CLEAN), (DEFAULT_STRATEGY, CLEAN)} <= done]
+        order = [(s, a) for s, a in order if {(s, a), (s, CLEAN), (reference, CLEAN)} <= done]
         if not order:
             raise SystemExit(f"--no-run: no finished runs to tabulate in {out / 'runs'}")
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -329,14 +483,14 @@ def main(argv: list[str]) -> None:
         for strategy, attack in order:
             name = f"{strategy}-{attack}-seed{seed}"
             config = replace(base, strategy=strategy, seed=seed)
-            figures = measure(config, attacks[attack], sites, name, out, args.clip_ratio)
+            figures = measure(config, attacks[attack], sites, name, out, args.clip_ratio, args.runtime)
             runs.setdefault((strategy, attack), []).append({"seed": seed, **figures})
             print(f"{name}: final {figures['final_accuracy']:.4f}, rejected {figures['rejected']}", flush=True)
 
-    results = [_summarise(s, a, r, runs) for (s, a), r in runs.items() if s in strategies]
+    results = [_summarise(s, a, r, runs, reference) for (s, a), r in runs.items() if s in strategies]
     strategies = [s for s in strategies if any(r["strategy"] == s for r in results)]
     share = _attacked_share(base, sites)
-    table = _table(results, base, args.seeds, sites, share, args.clip_ratio)
+    table = _table(results, base, args.seeds, sites, share, args.clip_ratio, reference)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(
         json.dumps(
@@ -354,13 +508,13 @@ def main(argv: list[str]) -> None:
             indent=2,
         )
     )
-    _plot(results, strategies, list(attacks), out / "poisoning.png")
+    _plot(results, strategies, list(attacks), out / "poisoning.png", reference)
     print(table)
 
 
-def _summarise(strategy: str, attack: str, runs: list[dict], all_runs: dict) -> dict:
+def _summarise(strategy: str, attack: str, runs: list[dict], all_runs: dict, reference: str) -> dict:
     """Means over seeds; drops are taken seed by seed against the clean references."""
-    own, default = all_runs[(strategy, CLEAN)], all_runs[(DEFAULT_STRATEGY, CLEAN)]
+    own, default = all_runs[(strategy, CLEAN)], all_runs[(reference, CLEAN)]
     finals = [r["final_accuracy"] for r in runs]
     return {
         "strategy": strategy,
@@ -374,6 +528,8 @@ def _summarise(strategy: str, attack: str, runs: list[dict], all_runs: dict) -> 
         ),
         "rejected": [r["rejected"] for r in runs],
         "rounds": runs[0]["rounds"],
+        "recall": [statistics.fmean(x for x in c if x is not None) if any(x is not None for x in c) else None
+                   for c in zip(*(r["recall"] for r in runs))],
         "curve": [statistics.fmean(c) for c in zip(*(r["curve"] for r in runs))],
     }
 
@@ -392,7 +548,8 @@ def _attacked_share(config, sites: tuple[int, ...]) -> float | None:
 
 
 def _table(
-    results: list[dict], base, seeds: list[int], sites: tuple[int, ...], share: float | None, clip: float | None
+    results: list[dict], base, seeds: list[int], sites: tuple[int, ...], share: float | None, clip: float | None,
+    reference: str,
 ) -> str:
     held = f" ({100 * share:.1f} % of the training windows)" if share is not None else ""
     clipped = f" Screen with norm clip at {clip:g}x the round's median." if clip is not None else ""
@@ -400,22 +557,25 @@ def _table(
         f"{base.num_server_rounds} rounds, {base.num_sites} sites, Dirichlet alpha {base.dirichlet_alpha}, "
         f"seeds {', '.join(map(str, seeds))}; attacked site(s) {', '.join(map(str, sites))}{held}, every round. "
         f"Drops in points of final accuracy (positive = worse); rejected = replies the server screened out, "
-        f"summed over rounds (per seed).{clipped}",
+        f"summed over rounds (per seed); recall = per-class recall of the final model on the server's test "
+        f"set, class 0 first (mean over seeds).{clipped}",
         "",
-        "| strategy | attack | final acc. | best acc. | drop vs own clean | drop vs fedavgm clean | rejected |",
-        "|---|---|---|---|---|---|---|",
+        f"| strategy | attack | final acc. | best acc. | drop vs own clean | drop vs {reference} clean | rejected "
+        f"| recall per class |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         std = f" ± {r['final_std']:.3f}" if len(seeds) > 1 else ""
         own = "–" if r["attack"] == CLEAN else f"{100 * r['drop_vs_clean']:+.1f}"
         lines.append(
             f"| {r['strategy']} | {r['attack']} | {r['final']:.3f}{std} | {r['best']:.3f} | {own} "
-            f"| {100 * r['drop_vs_default_clean']:+.1f} | {', '.join(map(str, r['rejected']))} |"
+            f"| {100 * r['drop_vs_default_clean']:+.1f} | {', '.join(map(str, r['rejected']))} "
+            f"| {' '.join('–' if x is None else f'{x:.2f}' for x in r['recall'])} |"
         )
     return "\n".join(lines)
 
 
-def _plot(results: list[dict], strategies: list[str], attacks: list[str], path: Path) -> None:
+def _plot(results: list[dict], strategies: list[str], attacks: list[str], path: Path, reference: str) -> None:
     with saved_figure(path, 1, 2, figsize=(13, 4.5)) as (fig, (ax_bar, ax_curve)):
         by_key = {(r["strategy"], r["attack"]): r for r in results}
         shown = [a for a in attacks if any((s, a) in by_key for s in strategies)]
@@ -424,19 +584,19 @@ def _plot(results: list[dict], strategies: list[str], attacks: list[str], path: 
             xs = [i + (j - (len(shown) - 1) / 2) * width for i, s in enumerate(strategies) if (s, attack) in by_key]
             ys = [by_key[(s, attack)]["final"] for s in strategies if (s, attack) in by_key]
             ax_bar.bar(xs, ys, width, label=attack)
-        reference = by_key.get((DEFAULT_STRATEGY, CLEAN))
-        if reference is not None:
-            ax_bar.axhline(reference["final"] - 0.02, color="black", linestyle="--", linewidth=1,
-                           label=f"{DEFAULT_STRATEGY} clean − 2 points")
+        clean = by_key.get((reference, CLEAN))
+        if clean is not None:
+            ax_bar.axhline(clean["final"] - 0.02, color="black", linestyle="--", linewidth=1,
+                           label=f"{reference} clean − 2 points")
         ax_bar.set_xticks(range(len(strategies)), strategies)
         ax_bar.set(ylabel="final global test accuracy", ylim=(0, 1), title="final accuracy by strategy and attack")
         ax_bar.grid(alpha=0.3, axis="y")
         ax_bar.legend(fontsize=8)
         for attack in shown:
-            r = by_key.get((DEFAULT_STRATEGY, attack))
+            r = by_key.get((reference, attack))
             if r is not None:
                 ax_curve.plot(range(1, len(r["curve"]) + 1), r["curve"], label=attack)
-        ax_curve.set(xlabel="round", ylabel="global test accuracy", ylim=(0, 1), title=f"{DEFAULT_STRATEGY} per round")
+        ax_curve.set(xlabel="round", ylabel="global test accuracy", ylim=(0, 1), title=f"{reference} per round")
         ax_curve.grid(alpha=0.3)
         ax_curve.legend(fontsize=8)
 

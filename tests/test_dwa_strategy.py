@@ -622,3 +622,62 @@ def test_a_site_that_trained_on_no_windows_carries_no_weight(flwr_log):
     arrays, _, _ = run_round(dwa(weighting=False, conflict_buffer=False), base, sites)
     np.testing.assert_array_equal(as_numpy(arrays)["head.bias"], np.ones(3))
     assert "site b trained on no windows" in flwr_log.text and not warnings_about(flwr_log, "site b")
+
+
+# ---------------------------------------------------------------------- centered clipping (robust=)
+
+
+def test_centered_clipping_oracle_inside_dwa():
+    """No momentum, no conflict buffer, buckets of one: the step is centered_clip's aggregate
+    around 0 over the sites' deltas, with the DWA weights (here n_i / N)."""
+    from fedind.aggregation.robust import CenteredClipping, centered_clip
+
+    rng = np.random.default_rng(11)
+    sites = [Site({k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in GLOBAL.items()}, n)
+             for n in (10, 20, 30)]
+    sites[2].arrays = {k: (v + 1e3).astype(np.float32) for k, v in GLOBAL.items()}  # one huge outlier
+    strategy = dwa(conflict_buffer=False, weighting=False, robust=CenteredClipping(radius=1.0, bucket_size=1))
+    arrays, metrics, _ = run_round(strategy, GLOBAL, sites)
+    names = list(GLOBAL)
+    flat = np.stack([np.concatenate([(s.arrays[k].astype(np.float64) - GLOBAL[k]).ravel() for k in names])
+                     for s in sites])
+    w = np.array([10.0, 20.0, 30.0]) / 60
+    tau = float(np.median(np.linalg.norm(flat, axis=1)))
+    expected, _ = centered_clip(flat, w, np.zeros(flat.shape[1]), tau)
+    got = np.concatenate([(arrays[k].numpy().astype(np.float64) - GLOBAL[k]).ravel() for k in names])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert metrics[wire.CCLIP_SHARE] == pytest.approx(1 / 3)
+
+
+def test_centered_clipping_state_round_trip_and_config():
+    from fedind.aggregation.robust import CenteredClipping
+
+    first = dwa(robust=CenteredClipping(radius=2.0, bucket_size=2, seed=3))
+    run_round(first, GLOBAL, _state_sites(GLOBAL, 1))
+    state = first.state_dict()
+    assert set(state) == {"global_histogram", "momentum", "server_momentum", "robust"}
+    restored = dwa(robust=CenteredClipping(radius=2.0, bucket_size=2, seed=3))
+    restored.load_state_dict(state)
+    for name, v in state["robust"]["center"].items():
+        np.testing.assert_array_equal(restored.robust.state_dict()["center"][name], v)
+    with pytest.raises(ValueError, match="keys"):
+        dwa().load_state_dict(state)  # a state with clipping does not load into a strategy without
+    strategy = build_strategy(RunConfig(strategy="fedind", cclip_radius=2.0, cclip_bucket=3), 10, 3)
+    assert isinstance(strategy.robust, CenteredClipping) and strategy.robust.bucket_size == 3
+    assert build_strategy(RunConfig(strategy="fedind"), 10, 3).robust is None
+    with pytest.raises(ValueError, match="cclip-radius"):
+        RunConfig(strategy="fedavgm", cclip_radius=2.0)
+
+
+def test_a_grown_head_keeps_the_centered_clipping_state():
+    """The continual path edits every piece of DWA's state aligned with the arrays: the centre too."""
+    from fedind.aggregation.robust import CenteredClipping
+    from fedind.server.strategies import grow_strategy_classes
+
+    strategy = dwa(robust=CenteredClipping(radius=2.0))
+    run_round(strategy, GLOBAL, _state_sites(GLOBAL, 1))
+    before = strategy.robust.state_dict()["center"]
+    grow_strategy_classes(strategy, record(GLOBAL), 4)
+    assert strategy.num_classes == 4
+    for name, v in strategy.robust.state_dict()["center"].items():
+        np.testing.assert_array_equal(v, before[name])

@@ -157,3 +157,87 @@ def test_peer_cosines_weight_peers_by_label_overlap_and_normalise_them():
 def test_peer_cosines_refuse_bad_histograms(histograms):
     with pytest.raises(ValueError, match="Invalid"):
         peer_cosines([np.ones(2), np.ones(2)], histograms)
+
+
+# --------------------------------------------------------------------------- colluding and targeted attacks
+
+
+@pytest.mark.parametrize("text, attack", [("alie1.5", Attack("alie", 1.5)), ("ipm10", Attack("ipm", 10)),
+                                          ("minmax", Attack("minmax", 1)), ("minsum", Attack("minsum", 1)),
+                                          ("labelflip3", Attack("labelflip", 3))])
+def test_adaptive_attack_names_round_trip(text, attack):
+    assert Attack.parse(text) == attack and attack.name == text
+
+
+@pytest.mark.parametrize("text", ["minmax2", "labelflip1.5", "alie", "ipm0"])
+def test_invalid_adaptive_attacks_are_refused(text):
+    with pytest.raises(ValueError, match="Invalid"):
+        Attack.parse(text)
+
+
+HONEST = np.random.default_rng(7).normal(size=(6, 5))
+
+
+def test_alie_and_ipm_against_their_formulas():
+    from simulations.poisoning import colluding_update
+
+    mu, sigma = HONEST.mean(axis=0), HONEST.std(axis=0)
+    np.testing.assert_allclose(colluding_update(HONEST, Attack("alie", 1.5)), mu - 1.5 * sigma)
+    np.testing.assert_allclose(colluding_update(HONEST, Attack("ipm", 4)), -4 * mu)
+
+
+@pytest.mark.parametrize("kind", ["minmax", "minsum"])
+def test_minmax_and_minsum_stay_inside_the_honest_spread_at_its_edge(kind):
+    from simulations.poisoning import colluding_update
+
+    mu, sigma = HONEST.mean(axis=0), HONEST.std(axis=0)
+    sq = ((HONEST[:, None] - HONEST[None]) ** 2).sum(axis=2)
+    bound = sq.max() if kind == "minmax" else sq.sum(axis=1).max()
+
+    def figure(m):
+        d2 = ((HONEST - m) ** 2).sum(axis=1)
+        return d2.max() if kind == "minmax" else d2.sum()
+
+    m = colluding_update(HONEST, Attack(kind, 1))
+    gamma = float(np.mean((mu - m) / sigma))
+    np.testing.assert_allclose(m, mu - gamma * sigma)
+    assert gamma > 0 and figure(m) <= bound * (1 + 1e-9)
+    assert figure(mu - 1.01 * gamma * sigma) > bound  # the largest such gamma
+
+
+def test_collude_replaces_the_attackers_updates_only():
+    from fedind.server.pipeline import SiteUpdate
+    from simulations.poisoning import collude, colluding_update
+
+    rng = np.random.default_rng(3)
+    sent = {"conv.weight": np.ones((2, 3), np.float32), "head.bias": np.zeros(3, np.float32)}
+
+    def site(i):
+        weights = {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in sent.items()}
+        delta = {k: w.astype(np.float64) - sent[k] for k, w in weights.items()}
+        return SiteUpdate(f"line-{i:02d}", i + 1, 10.0, (5, 3, 2), delta, weights, None)
+
+    updates = [site(i) for i in range(5)]
+    honest_deltas = [{k: v.copy() for k, v in u.delta.items()} for u in updates]
+    collude(updates, Attack("ipm", 2), {"line-03", "line-04"})
+    flat = np.stack([d["conv.weight"].ravel() for d in honest_deltas])
+    expected = colluding_update(flat, Attack("ipm", 2))
+    for i, u in enumerate(updates):
+        if i < 3:
+            np.testing.assert_array_equal(u.delta["conv.weight"], honest_deltas[i]["conv.weight"])
+        else:
+            np.testing.assert_allclose(u.delta["conv.weight"].ravel(), expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(u.weights["conv.weight"], sent["conv.weight"] + u.delta["conv.weight"])
+        # the bias is sent as trained: the label-alignment rule reads it
+        np.testing.assert_array_equal(u.delta["head.bias"], honest_deltas[i]["head.bias"])
+
+
+def test_labelflip_relabels_one_class_as_healthy_at_the_attacked_sites_only():
+    from fedind.data.format import SiteArrays
+    from fedind.data.sources import SiteData
+    from simulations.poisoning import relabelled
+
+    data = SiteData("line-00", SiteArrays(np.zeros((5, 1, 2), np.float32), np.array([0, 1, 2, 2, 3])), None)
+    load = relabelled(lambda context, config, phase=0: data, sites=(0,), target=2)
+    assert load(_context(0), None).train.y.tolist() == [0, 1, 0, 0, 3]
+    assert load(_context(3), None).train.y.tolist() == [0, 1, 2, 2, 3]

@@ -45,6 +45,7 @@ from ..aggregation.conflicts import (
     heavy_ball,
     sign_agreement,
 )
+from ..aggregation.robust import CenteredClipping
 from ..aggregation.weighting import class_row_scales, scale_rows, GlobalHistogram, dwa_weights
 
 # DWA reads the number of classes from HEAD_WEIGHT ([num_classes, features]) when none is given.
@@ -53,6 +54,7 @@ from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT
 __all__ = ["DWA", "HEAD_WEIGHT", "SiteUpdate"]
 
 _STATE_KEYS = {"global_histogram", "momentum", "server_momentum"}
+_ROBUST_KEY = "robust"  # only with centered clipping on: checkpoints of runs without it stay as they were
 
 
 class DWA(FedAvg):
@@ -113,6 +115,10 @@ class DWA(FedAvg):
     conflict_damping : float
         :math:`\gamma \in [0, 1]`, with server momentum and ``conflict_buffer``: what enters
         the buffer is scaled by :math:`\gamma + (1-\gamma)\min(1, A/\tau)` (1 = no damping).
+    robust : CenteredClipping, optional
+        Centered clipping over random buckets (:mod:`fedind.aggregation.robust`): the
+        round's deltas and weights become the clipped bucket means and the bucket weights
+        (sums of the members' weights) before step 2. None: off.
     num_classes : int, optional
         Length of a valid label histogram. None: read from the global model at the first
         :meth:`configure_train` (first dimension of its ``head.weight`` array).
@@ -136,6 +142,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         restart: bool = True,
         conflict_damping: float = 1.0,
         restart_agreement: float = 0.0,
+        robust: CenteredClipping | None = None,
         num_classes: int | None = None,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
@@ -162,6 +169,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             raise ValueError(f"Invalid conflict_damping value: {conflict_damping!r}")
         if not (_is_real(restart_agreement) and 0.0 <= restart_agreement <= 1.0):
             raise ValueError(f"Invalid restart_agreement value: {restart_agreement!r}")
+        if robust is not None and not isinstance(robust, CenteredClipping):
+            raise ValueError(f"Invalid robust value: {robust!r} (expected a CenteredClipping or None)")
         if num_classes is not None and not (_is_int(num_classes) and num_classes >= 1):
             raise ValueError(f"Invalid num_classes value: {num_classes!r}")
         super().__init__(
@@ -193,6 +202,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.restart = restart
         self.conflict_damping = float(conflict_damping)
         self.restart_agreement = float(restart_agreement)
+        self.robust = robust
         # First class whose head rows are averaged over the sites holding it (average_over_holders)
         self.holder_rows_from: int | None = None
         self.server_buffer = self._new_server_buffer()
@@ -242,7 +252,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             "server_momentum": None
             if state["server_momentum"] is None
             else {"buffers": edit(state["server_momentum"]["buffers"])},
-        }
+        } | ({_ROBUST_KEY: {"center": edit(state[_ROBUST_KEY]["center"])}} if self.robust is not None else {})
         if num_classes is not None:
             self.num_classes = num_classes
         self.load_state_dict(state)
@@ -275,6 +285,9 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             if self.server_momentum and self.conflict_buffer
             else "",
         )
+        if self.robust is not None:
+            log(INFO, "\t│\t├── Centered clipping: radius %s x the median bucket distance, buckets of %d",
+                self.robust.radius, self.robust.bucket_size)
         log(INFO, "\t│\t└── Classes: %s", self.num_classes if self.num_classes else "from the global model")
         super().summary()
 
@@ -324,6 +337,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             scales = class_row_scales(weights, [u.histogram for u in updates])
             scales[:, : self.holder_rows_from] = 1.0  # older classes: the site weights
             deltas = scale_rows(deltas, scales, [n for n in (HEAD_WEIGHT, HEAD_BIAS) if n in current])
+        if self.robust is not None:  # each bucket's pull bounded around the server's history
+            deltas, weights = self.robust.transform(deltas, weights, server_round)
         if self.conflict_buffer and isinstance(self.server_buffer, RestartMomentum):
             step = conflict_momentum_aggregate(
                 deltas, weights, self.server_buffer, self.threshold, self.conflict_damping, agreements
@@ -347,6 +362,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         metrics[wire.CONFLICT_SHARE] = flagged / max(sum(a.size for a in agreements.values()), 1)
         metrics[wire.DWA_WEIGHT_MIN] = float(weights.min())
         metrics[wire.DWA_WEIGHT_MAX] = float(weights.max())
+        if self.robust is not None:
+            metrics[wire.CCLIP_SHARE] = self.robust.last_clipped_share
         if isinstance(self.server_buffer, RestartMomentum):
             metrics[wire.RESTART_SHARE] = float(self.server_buffer.last_restart_share)
         return new, metrics
@@ -441,13 +458,16 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             "global_histogram": None if self.global_histogram is None else self.global_histogram.state_dict(),
             "momentum": self.buffer.state_dict(),
             "server_momentum": None if self.server_buffer is None else self.server_buffer.state_dict(),
-        }
+        } | ({_ROBUST_KEY: self.robust.state_dict()} if self.robust is not None else {})
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore :meth:`state_dict`; everything is validated before ``self`` changes."""
-        if not isinstance(state, Mapping) or set(state) != _STATE_KEYS:
+        expected = _STATE_KEYS | ({_ROBUST_KEY} if self.robust is not None else set())
+        if not isinstance(state, Mapping) or set(state) != expected:
             keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"Invalid DWA state: expected keys {sorted(_STATE_KEYS)}, got {keys}")
+            raise ValueError(f"Invalid DWA state: expected keys {sorted(expected)}, got {keys}")
+        if self.robust is not None:  # checked before self changes: a copy takes the state first
+            CenteredClipping(self.robust.radius).load_state_dict(state[_ROBUST_KEY])
         histogram = None
         if state["global_histogram"] is not None:
             hist_state = state["global_histogram"]
@@ -483,6 +503,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             self.global_histogram = GlobalHistogram(self.num_classes)
         self.buffer = buffer
         self.server_buffer = server_buffer
+        if self.robust is not None:
+            self.robust.load_state_dict(state[_ROBUST_KEY])
 
 
 # ---------------------------------------------------------------------- helpers

@@ -10,6 +10,7 @@ from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from ..aggregation.robust import CenteredClipping
 from ..config import DWA_STRATEGIES, RunConfig
 from ..continual.expansion import pad_head_rows, zero_head_rows
 from .dwa import DWA
@@ -165,6 +166,8 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
             restart=config.server_restart,
             conflict_damping=config.conflict_damping,
             restart_agreement=config.restart_agreement,
+            robust=CenteredClipping(config.cclip_radius, config.cclip_bucket, beta=config.dwa_momentum, seed=config.seed)
+            if config.cclip_radius > 0 else None,
             num_classes=num_classes,
             **common,
         )
