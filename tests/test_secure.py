@@ -398,6 +398,19 @@ def test_simulation_end_to_end_without_the_server_loading_the_private_key(ray_ru
     assert all(row.split(",")[5] == "3" for row in rows)  # sites aggregated per round
 
 
+def _marked_site_agent(app, site_side):
+    """``app`` with the private-key switch on only while a site handles a message."""
+
+    def site_agent(message, context):
+        site_side["site"] = True
+        try:
+            return app(message, context)
+        finally:
+            site_side["site"] = False
+
+    return site_agent
+
+
 def test_loopback_simulation_keeps_the_private_key_inside_the_site_agent(tmp_path, key_files, site_side):
     """The same run on the loopback runtime (sites called in this process): the private key
     is read and built only inside the site agent's ClientApp call, never by the server's code."""
@@ -406,12 +419,7 @@ def test_loopback_simulation_keeps_the_private_key_inside_the_site_agent(tmp_pat
 
     _, private_path, public_path = key_files
 
-    def site_agent(message, context):
-        site_side["site"] = True
-        try:
-            return app(message, context)
-        finally:
-            site_side["site"] = False
+    site_agent = _marked_site_agent(app, site_side)
 
     cfg = RunConfig(
         num_server_rounds=2, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
@@ -600,12 +608,7 @@ def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, ke
 
     _, private_path, public_path = key_files
 
-    def site_agent(message, context):
-        site_side["site"] = True
-        try:
-            return app(message, context)
-        finally:
-            site_side["site"] = False
+    site_agent = _marked_site_agent(app, site_side)
 
     common = dict(
         num_server_rounds=3, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
