@@ -373,7 +373,7 @@ def test_the_server_refuses_a_private_key_file_and_missing_key(key_files, site_s
     with pytest.raises(ConfigError, match="PRIVATE key file"):
         encrypted_server(config(key_files, paillier_public_key=str(private_path)), num_sites=3, num_classes=3)
     site_side["site"] = False
-    with pytest.raises(ConfigError, match="2 to 1024 sites per round"):
+    with pytest.raises(ConfigError, match=f"2 to {packing.MAX_SITES} sites per round"):
         encrypted_server(config(key_files, num_sites=3), num_sites=1, num_classes=3)
     with pytest.raises(TypeError, match="PUBLIC key only"):
         SecureAggregation(None, object(), CLIP, timeout=1.0)
