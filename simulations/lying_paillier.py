@@ -164,7 +164,7 @@ def main(argv: list[str]) -> None:
     ]
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [
-        f"| site 0 sends | check | rounds refused | accepted: ‖Δ mean‖ / ‖honest mean‖ | accepted: max |Δ| / c |",
+        "| site 0 sends | check | rounds refused | accepted: ‖Δ mean‖ / ‖honest mean‖ | accepted: max |Δ| / c |",
         "|---|---|---|---|---|",
     ]
     for r in results:
