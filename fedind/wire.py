@@ -21,9 +21,11 @@ SITE_KEY_MISSING = 1003  # a site cannot load its private key (fedind.paillier.s
 STALE_DOWNLINK = 1004  # a site does not hold the base a downlink step refers to (fedind.topk.downlink)
 REJECTED_UPDATE = 1005  # the server screened a train reply out (fedind.server.screening)
 SITE_ABSENT = 1006  # a simulated line off the network (simulations/)
+SUM_OUT_OF_RANGE = 1007  # the decrypting site found a sum honest sites cannot produce (fedind.paillier.packing.sum_fault)
 ERROR_CODES = {REJECTED_PAYLOAD: "rejected-payload", REJECTED_CIPHERTEXT: "rejected-ciphertext",
                SITE_KEY_MISSING: "site-key-missing", STALE_DOWNLINK: "stale-downlink",
-               REJECTED_UPDATE: "rejected-update", SITE_ABSENT: "site-absent"}
+               REJECTED_UPDATE: "rejected-update", SITE_ABSENT: "site-absent",
+               SUM_OUT_OF_RANGE: "sum-out-of-range"}
 
 # ConfigRecord keys, server -> site
 SERVER_ROUND = "server-round"  # set by Flower's strategies

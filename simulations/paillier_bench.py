@@ -16,8 +16,8 @@ scenario from the same initial model), measured side by side in one run:
 - encrypted vs plaintext simulations (same config, >= 5 sites, >= 5 rounds): final accuracy,
   for DWA with the default server momentum and for DWA weights without server momentum,
   plus a control: the PLAINTEXT run with exactly the encrypted path's two roundings (site
-  weights to multiples of 1/1024, deltas stochastically rounded to the fixed-point grid), which should track the
-  encrypted run; it separates "the encrypted path computes what it documents" from "this
+  weights to multiples of 1/K = 1/512, packing.MAX_SITES; deltas stochastically rounded to
+  the fixed-point grid), which should track the encrypted run; it separates "the encrypted path computes what it documents" from "this
   trajectory is sensitive to a 1e-6 perturbation".
 
     python simulations/paillier_bench.py                       # 5 sites, 20 rounds, dwa, one phase, dense

@@ -33,6 +33,7 @@ from fedind.continual.phases import (
     replay_bytes,
     replay_capacity,
     restore_replay,
+    row_bounds,
 )
 from fedind.server.continual import PhaseController
 from fedind.data.drift import (
@@ -313,6 +314,53 @@ def test_the_head_grows_from_the_proposed_row_and_a_malformed_proposal_is_left_o
     assert controller.young_from == 3
     with pytest.raises(ValueError, match="young_from"):
         controller.load_state_dict({**state, "young_from": 9})
+
+
+def test_row_bounds_are_the_factor_times_the_largest_row_around_the_mean_bias():
+    assert row_bounds(np.array([[3.0, 4.0], [0.0, 1.0]]), np.array([1.0, 3.0]), factor=10.0) == (50.0, -48.0, 52.0)
+    with pytest.raises(ValueError, match="Invalid row bounds"):
+        row_bounds(np.zeros((0, 2)), np.zeros(0))
+
+
+# A head at its initial scale (largest row norm 0.6) and the proposal a line fitted for a new
+# class on it (a row of norm 37x that, bias 13x: the two-phase run below proposes 36x and 13x).
+YOUNG_HEAD = {"head.weight": np.array([[0.6, 0.0], [0.0, 0.5], [-0.3, 0.3]], np.float32),
+              "head.bias": np.array([0.1, -0.1, 0.0], np.float32)}
+HONEST_ROW = [18.0, -13.0, 7.8]  # row, then bias
+
+
+def _young_head() -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in YOUNG_HEAD.items()})
+
+
+@pytest.mark.parametrize("scale", [10.0, 100.0])
+def test_a_scaled_proposal_is_refused_with_a_logged_reason_and_the_honest_one_is_merged(
+    flower_task_identity, caplog, scale
+):
+    controller = _controller(ewc_lambda=0.0)
+    honest = _train_reply(4, {wire.NEW_ROWS: HONEST_ROW, wire.NEW_COUNTS: [5]})
+    scaled = _train_reply(4, {wire.NEW_ROWS: [scale * v for v in HONEST_ROW], wire.NEW_COUNTS: [5]})
+    grown = controller.end_of_round(1, _young_head(), [scaled, honest])
+    np.testing.assert_allclose(grown["head.weight"].numpy()[3], HONEST_ROW[:2])  # the honest row alone, not diluted
+    assert grown["head.bias"].numpy()[3] == pytest.approx(HONEST_ROW[2])
+    assert caplog.text.count("proposes invalid new-class rows") == 1
+    assert "class 3 has a row of norm" in caplog.text and "beyond 100x the model's largest row norm" in caplog.text
+    assert controller.expansions == [{"round": 1, "from": 3, "to": 4, "proposed_rows": [3]}]
+
+
+def test_a_refused_proposal_does_not_stop_the_round_the_row_starts_as_without_one(flower_task_identity, caplog):
+    controller = _controller(ewc_lambda=0.0)
+    blown = _train_reply(4, {wire.NEW_ROWS: [0.0, 0.0, 1e3], wire.NEW_COUNTS: [5]})  # a bias that takes every prediction
+    grown = controller.end_of_round(1, _young_head(), [blown, _train_reply(3)])
+    np.testing.assert_array_equal(grown["head.weight"].numpy()[3], [0.0, 0.0])  # W = 0, b = min b
+    assert grown["head.bias"].numpy()[3] == pytest.approx(-0.1)
+    assert controller.expansions == [{"round": 1, "from": 3, "to": 4, "proposed_rows": []}]
+    assert "bias 1000" in caplog.text
+    # a refit beyond the bound keeps the aggregated young row
+    averaged = ArrayRecord({"head.weight": Array(np.vstack([YOUNG_HEAD["head.weight"], [[0.2, 0.2]]])),
+                            "head.bias": Array(np.append(YOUNG_HEAD["head.bias"], -0.1).astype(np.float32))})
+    kept = controller.end_of_round(2, averaged, [_train_reply(4, {wire.NEW_ROWS: [100.0, 0.0, 0.0], wire.NEW_COUNTS: [5]})])
+    np.testing.assert_array_equal(kept["head.weight"].numpy(), averaged["head.weight"].numpy())
 
 
 def test_a_site_proposes_rows_from_the_first_young_class_on():

@@ -27,6 +27,7 @@ from fedind.paillier.keys import (
     save_keypair,
 )
 from fedind.paillier.packing import (
+    GUARD_BITS,
     MAX_SITES,
     VALUE_BITS,
     VALUE_MAX,
@@ -94,13 +95,13 @@ def test_extremes_of_every_slot_survive_the_largest_weight_sum(key):
     ones = np.ones(count, dtype=np.float32)
     aggregate = weighted_sum([encrypt(ones, key), encrypt(ones, key)], [MAX_SITES - 1, 1], key.public)
     assert np.all(decrypt_sum(aggregate, key) == 1.0)
-    aggregate = weighted_sum([encrypt(-ones, key), encrypt(-ones, key)], [512, 512], key.public)
+    aggregate = weighted_sum([encrypt(-ones, key), encrypt(-ones, key)], [MAX_SITES // 2] * 2, key.public)
     assert np.all(decrypt_sum(aggregate, key) == -1.0)
 
 
 def test_quantisation_bound_formula():
     assert quantisation_bound(1.0) == 1.0 / (2**13 - 1)
-    assert SLOT_BITS == 1 + 13 + 10 and MAX_SITES * 2 * VALUE_MAX < 2**SLOT_BITS
+    assert SLOT_BITS == GUARD_BITS + 1 + 13 + 9 and MAX_SITES * 2 * VALUE_MAX < 2 ** (SLOT_BITS - GUARD_BITS)
 
 
 def test_pack_unpack_roundtrip_and_refusals():
@@ -166,7 +167,7 @@ def test_packing_bounds_hold_for_any_number_of_sites_at_the_extremes():
         assert all(t < 2 ** (slots * SLOT_BITS) <= 2**2047 for t in total)
         sums = unpack(total, slots, slots + 3)
         expected = sum(ki * lv.astype(np.int64) for ki, lv in zip(k, levels))
-        assert np.array_equal(sums, expected) and sums.max() <= MAX_SITES * 2 * VALUE_MAX < 2**SLOT_BITS
+        assert np.array_equal(sums, expected) and sums.max() <= MAX_SITES * 2 * VALUE_MAX < 2 ** (SLOT_BITS - GUARD_BITS)
 
 
 def test_the_maximum_number_of_sites_at_the_clip_decodes_exactly(key):
@@ -217,7 +218,7 @@ def test_crt_short_exponent_decryption_equals_the_plain_one(key):
     assert [int(key.phe.raw_decrypt(c)) for c in ciphertexts] == plaintexts  # phe's CRT decryption
     # and on a real weighted sum
     v = encrypt(np.linspace(-1, 1, 100), key)
-    agg = weighted_sum([v, v, v], [3, 500, 521], key.public)
+    agg = weighted_sum([v, v, v], [3, 250, 259], key.public)
     assert key.decrypt_many(agg.ciphertexts) == [textbook_decrypt(key, c) for c in agg.ciphertexts]
 
 
@@ -251,6 +252,52 @@ def test_a_site_that_encrypts_an_out_of_range_slot_makes_decryption_refuse(key):
     aggregate = weighted_sum([honest, forged], [1, 1], key.public)
     with pytest.raises(CiphertextError, match=r"value 1: decrypted slot sum .* exceeds .*overflow"):
         decrypt_sum(aggregate, key)
+
+
+def lying_update(key, levels: list[int], count: int) -> packing.EncryptedVector:
+    """One site's update whose plaintext is ``sum_s levels[s] 2^(24 s)``, whatever the levels
+    (a level past 2^24 spills into the next slot): what a lying site can encrypt."""
+    m = sum(int(level) << (SLOT_BITS * s) for s, level in enumerate(levels))
+    return packing.EncryptedVector("update", key.public.fingerprint, count, 1.0, 1, 1, [raw_ciphertext(key, m)])
+
+
+def test_a_sum_exactly_at_the_honest_maximum_decodes_and_one_level_more_is_refused(key):
+    """Two sites at +clip with weights K - 1 and 1: every slot at W * 2Q, the largest honest
+    sum, decodes exactly; a lying site one level above 2Q in slot 2 is refused."""
+    honest = encrypt(np.ones(3), key)
+    assert np.all(decrypt_sum(weighted_sum([honest, lying_update(key, [2 * VALUE_MAX] * 3, 3)],
+                                           [MAX_SITES - 1, 1], key.public), key) == 1.0)
+    liar = lying_update(key, [2 * VALUE_MAX, 2 * VALUE_MAX, 2 * VALUE_MAX + 1], 3)
+    with pytest.raises(packing.SumOutOfRange, match=r"value 2: decrypted slot sum 8387585 exceeds 8387584"):
+        decrypt_sum(weighted_sum([honest, liar], [MAX_SITES - 1, 1], key.public), key)
+
+
+def test_a_value_that_carries_into_the_next_slot_sets_the_guard_bit_and_is_refused(key):
+    """A level of 2^24 + 2^23 - Q in slot 0 carries 1 into slot 1 and leaves 2^23 (the guard
+    bit, which no honest sum sets) in slot 0: refused, nothing decoded."""
+    honest = encrypt(np.zeros(3), key)  # levels Q exactly
+    liar = lying_update(key, [2**SLOT_BITS + 2 ** (SLOT_BITS - 1) - VALUE_MAX, VALUE_MAX, VALUE_MAX], 3)
+    sums = unpack(key.decrypt_many(weighted_sum([honest, liar], [1, 1], key.public).ciphertexts), key.public.slots, 3)
+    assert sums.tolist() == [2 ** (SLOT_BITS - 1), 2 * VALUE_MAX + 1, 2 * VALUE_MAX]  # the carry
+    with pytest.raises(packing.SumOutOfRange, match=r"value 0: .*1 with the guard bit set\): overflow"):
+        decrypt_sum(weighted_sum([honest, liar], [1, 1], key.public), key)
+
+
+def test_a_carry_that_lands_inside_the_range_cannot_be_told_from_an_honest_sum(key):
+    """The limit of the check (module docstring): a lie whose sum stays in range decodes. A
+    level of 2^24 in slot 0 leaves slot 0 as it was and adds one level to slot 1."""
+    honest = encrypt(np.zeros(3), key)
+    liar = lying_update(key, [2**SLOT_BITS + VALUE_MAX, VALUE_MAX, VALUE_MAX], 3)
+    mean = decrypt_sum(weighted_sum([honest, liar], [1, 1], key.public), key)
+    assert mean.tolist() == pytest.approx([0.0, 0.5 / VALUE_MAX, 0.0])
+
+
+def test_a_lie_in_the_padding_after_the_last_value_is_refused(key):
+    honest = encrypt(np.zeros(3), key)
+    liar = lying_update(key, [VALUE_MAX, VALUE_MAX, VALUE_MAX, 1], 3)  # slot 3 is padding
+    with pytest.raises(packing.SumOutOfRange, match="padding slot 3 sums to 1, not 0"):
+        decrypt_sum(weighted_sum([honest, liar], [1, 1], key.public), key)
+    assert packing.sum_fault(np.array([0, 4 * VALUE_MAX, 0]), 2, 2) is None  # both bounds are honest
 
 
 def test_a_plaintext_above_the_last_slot_makes_decryption_refuse(key):
@@ -337,7 +384,7 @@ def test_a_payload_under_another_key_is_rejected(key, other_key):
 
 def test_aggregate_record_checks_weight_and_sites(key):
     v = encrypt(np.zeros(4), key)
-    record = weighted_sum([v, v], [600, 424], key.public).to_config(key.public)
+    record = weighted_sum([v, v], [300, MAX_SITES - 300], key.public).to_config(key.public)
     assert parse_record(record, key.public, kind="aggregate").weight == MAX_SITES
     with pytest.raises(CiphertextError, match="need 1 <= sites <= weight"):
         parse_record(_tamper(record, weight=MAX_SITES + 1), key.public, kind="aggregate")

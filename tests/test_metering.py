@@ -67,8 +67,8 @@ def test_every_fedind_error_code_is_distinct_and_above_flowers():
     from fedind.topk import downlink, uplink
 
     codes = [wire.REJECTED_PAYLOAD, wire.REJECTED_CIPHERTEXT, wire.SITE_KEY_MISSING, wire.STALE_DOWNLINK,
-             wire.REJECTED_UPDATE, wire.SITE_ABSENT]
+             wire.REJECTED_UPDATE, wire.SITE_ABSENT, wire.SUM_OUT_OF_RANGE]
     assert len(set(codes)) == len(codes) == len(wire.ERROR_CODES) and min(codes) > 1000
     assert (uplink.REJECTED_PAYLOAD, encrypted.REJECTED_CIPHERTEXT, site.SITE_KEY_MISSING, downlink.STALE_DOWNLINK,
             screening.REJECTED_UPDATE) == tuple(codes[:5])
-    assert site.REJECTED_CIPHERTEXT == encrypted.REJECTED_CIPHERTEXT
+    assert site.REJECTED_CIPHERTEXT == encrypted.REJECTED_CIPHERTEXT and site.SUM_OUT_OF_RANGE == codes[6]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedind import wire
 from fedind.paillier import keys, packing
@@ -281,30 +281,87 @@ def test_bad_encrypted_replies_become_logged_failures_and_the_round_goes_on(key_
     assert close(new, oracle(g, locals_[:3], packing.integer_weights([30, 10, 60]))) <= packing.quantisation_bound(CLIP) + 1e-6
 
 
-def test_an_overflowing_site_makes_the_decrypting_site_refuse_and_the_round_is_skipped(key_files, site_side, flwr_logs):
-    key, _, _ = key_files
-    cfg = config(key_files)
-    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
-    g = arrays(4)
+def lie(key, site_side, levels_of_slot_0: int):
+    """A cheat: the site's first ciphertext replaced by one of a plaintext whose slot 0 holds
+    ``levels_of_slot_0`` (past 2^24 it spills into slot 1) and its other slots Q (a zero delta)."""
 
-    def overflow(reply: Message) -> Message:  # a well-formed ciphertext of a plaintext beyond the slots
+    def cheat(reply: Message) -> Message:
         site_side["site"] = True
         (r,) = key.obfuscators(1)
         site_side["site"] = False
-        n, n2 = key.public.n, key.public.n_square
+        n, n2, slots = key.public.n, key.public.n_square, key.public.slots
+        m = levels_of_slot_0 + sum(packing.VALUE_MAX << (keys.SLOT_BITS * s) for s in range(1, slots))
         record = reply.content[wire.ENCRYPTED_UPDATE]
-        m = 1 << (key.public.slots * keys.SLOT_BITS)
         forged = ((1 + m * n) * r % n2).to_bytes(key.public.ciphertext_bytes, "big")
         record["ciphertexts"] = forged + record["ciphertexts"][len(forged):]
         return reply
 
-    sites, _ = sites_for(g)
-    sites[0].cheat = overflow
-    new, metrics, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
-    assert new is None and metrics is None
+    return cheat
+
+
+@pytest.mark.parametrize(
+    "slot_0, reason",
+    [
+        (1 << (keys.SLOT_BITS * 21), "bits above its 21 slots"),  # a plaintext beyond the slots
+        # under the liar's odd weight 51, 51 (2^24 + 2^23) carries 76 into slot 1 and leaves the guard bit set
+        (2**keys.SLOT_BITS + 2**23, "with the guard bit set"),
+    ],
+)
+def test_a_lying_site_makes_the_round_refused_with_a_logged_reason_and_the_next_round_goes_on(
+    key_files, site_side, flwr_logs, slot_0, reason
+):
+    key, _, _ = key_files
+    cfg = config(key_files)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(4)
+    sites, locals_ = sites_for(g)
+    assert packing.integer_weights([30, 10, 60])[1] == 51
+    sites[1].cheat = lie(key, site_side, slot_0)
+    grid = SiteGrid(sites, site_side)
+    new, metrics, traffic = run_round(strategy, pipeline, grid, g, cfg)
+    assert new is None and metrics is None  # the wrapped strategy keeps the model it had
+    assert grid.queries == [1, 2] and strategy.refused_rounds == 1  # two decrypting sites agree
     logged = " ".join(r.getMessage() for r in flwr_logs.records)
-    assert "refused to decrypt the aggregate" in logged and "overflow" in logged
-    assert any("refused to decrypt" in f for f in traffic.failures)
+    assert "encrypted round 1: refused the aggregate: 2 decrypting site(s) found a sum honest sites cannot produce" in logged
+    assert reason in logged and "one of the sites ['line-1', 'line-2', 'line-3']" in logged
+    assert any("refused the decrypted sum" in f for f in traffic.failures)
+    # the liar stops: the next round aggregates exactly, the count is kept in the checkpointed state
+    sites[1].cheat = None
+    new, _, _ = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg, server_round=2)
+    assert close(new, oracle(g, locals_, packing.integer_weights([30, 10, 60]))) <= packing.quantisation_bound(CLIP) + 4e-7
+    state = strategy.state_dict()
+    assert state["refused_rounds"] == 1
+    strategy.load_state_dict({k: v for k, v in state.items() if k != "refused_rounds"})  # an older checkpoint
+    assert strategy.refused_rounds == 0
+
+
+def test_sites_at_the_clip_give_the_largest_honest_sum_and_it_decodes(key_files, site_side):
+    """Every value beyond the clip at every site: every slot sum is W * 2Q (or 0), the
+    boundary of the range check, and the mean is +-clip exactly."""
+    cfg = config(key_files)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(5)
+    sign = {k: np.where(np.arange(np.prod(shape)) % 2, 1.0, -1.0).reshape(shape) for k, shape in SHAPES.items()}
+    beyond = {k: (g[k] + 3 * CLIP * sign[k]).astype(np.float32) for k in g}
+    sites = [Site(i + 1, beyond, n, [n, 0, 0]) for i, n in enumerate((30, 10, 60))]
+    new, _, _ = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
+    expected = {k: g[k].astype(np.float64) + CLIP * sign[k] for k in g}
+    assert close(new, expected) <= 1e-6 and strategy.refused_rounds == 0
+
+
+def test_one_decrypting_site_that_claims_an_out_of_range_sum_cannot_refuse_the_round(key_files, site_side):
+    cfg = config(key_files)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(5)
+    sites, locals_ = sites_for(g)
+    claim = Error(code=wire.SUM_OUT_OF_RANGE, reason="refused the decrypted sum: (a false claim)")
+    sites[0].handle = lambda msg, site=sites[0], handle=sites[0].handle: (  # noqa: E731
+        Message(claim, reply_to=msg) if msg.metadata.message_type == MessageType.QUERY else handle(msg)
+    )
+    grid = SiteGrid(sites, site_side)
+    new, _, _ = run_round(strategy, pipeline, grid, g, cfg)
+    assert grid.queries == [1, 2] and strategy.refused_rounds == 0
+    assert close(new, oracle(g, locals_, packing.integer_weights([30, 10, 60]))) <= packing.quantisation_bound(CLIP) + 4e-7
 
 
 def test_a_failed_decrypt_query_goes_to_the_next_site(key_files, site_side):
@@ -373,7 +430,7 @@ def test_the_server_refuses_a_private_key_file_and_missing_key(key_files, site_s
     with pytest.raises(ConfigError, match="PRIVATE key file"):
         encrypted_server(config(key_files, paillier_public_key=str(private_path)), num_sites=3, num_classes=3)
     site_side["site"] = False
-    with pytest.raises(ConfigError, match="2 to 1024 sites per round"):
+    with pytest.raises(ConfigError, match=f"2 to {packing.MAX_SITES} sites per round"):
         encrypted_server(config(key_files, num_sites=3), num_sites=1, num_classes=3)
     with pytest.raises(TypeError, match="PUBLIC key only"):
         SecureAggregation(None, object(), CLIP, timeout=1.0)

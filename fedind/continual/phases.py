@@ -29,7 +29,8 @@ buffers grow with it.
 features with the old rows held fixed, under the loss of its local training (its logit
 adjustment and weight decay), solved to the optimum (convex in the new rows). The server
 starts each new row from the proposals weighted by the proposers' windows of that class
-(:func:`merge_row_proposals`; without a valid proposal, ``W = 0``, ``b = min b``). Until
+(:func:`merge_row_proposals`; without a valid proposal, ``W = 0``, ``b = min b``); a
+proposal beyond the scale of the model's own rows (:func:`row_bounds`) is not valid. Until
 the phase in which they grew ends, the holders refit those rows every round on the model
 they receive (the train message's ``refit-from``), and their merged fit replaces the
 aggregated rows: once, at the growth, was not enough, as the features moved on under the
@@ -74,7 +75,10 @@ __all__ = [
     "propose_new_rows",
     "replay_capacity",
     "restore_replay",
+    "row_bounds",
 ]
+
+ROW_SCALE = 100.0  # a proposed row and its bias may reach this many times the model's largest row norm
 
 
 # --------------------------------------------------------------------------- labels
@@ -168,15 +172,52 @@ def propose_new_rows(
     return rows, biases, counts[first:]
 
 
-def check_row_proposal(proposal: tuple[np.ndarray, np.ndarray, np.ndarray], old: int, new: int, dim: int) -> None:
+def row_bounds(weight: np.ndarray, bias: np.ndarray, factor: float = ROW_SCALE) -> tuple[float, float, float]:
+    r"""``(row_max, bias_low, bias_high)``: what a proposed new-class row ``W'`` and bias
+    ``b'`` may reach next to the established head rows ``weight [K, F]``, ``bias [K]``:
+
+    .. math:: \lVert W' \rVert \le c\, s, \qquad |b' - \bar b| \le c\, s, \qquad
+              s = \max_k \lVert W_k \rVert, \quad c = \mathrm{factor}.
+
+    Why: a logit is :math:`W_k h + b_k`, so the model's own rows give the scale of a sane
+    row, and it follows the model as it trains (no constant tuned to one stage). The
+    softmax ignores a shift of every bias, so a bias is measured from their mean
+    :math:`\bar b`, in the rows' unit (the biases barely spread). Honest fits outgrow the
+    rows of a young model (weak weight decay on separable features), hence a wide ``c``:
+    it bounds a row blown up by orders of magnitude, not one a few times too large."""
+    weight, bias = np.asarray(weight, np.float64), np.asarray(bias, np.float64)
+    if weight.ndim != 2 or bias.shape != weight.shape[:1] or not weight.shape[0] or not factor > 0:
+        raise ValueError(f"Invalid row bounds: head {weight.shape}, biases {bias.shape}, factor {factor!r}")
+    reach = factor * float(np.linalg.norm(weight, axis=1).max())
+    centre = float(bias.mean())
+    return reach, centre - reach, centre + reach
+
+
+def check_row_proposal(
+    proposal: tuple[np.ndarray, np.ndarray, np.ndarray], old: int, new: int, dim: int,
+    head: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
     """ValueError unless ``proposal = (rows [m, dim], biases [m], counts [m])`` fits classes
-    ``old .. old + m - 1`` of a head growing to ``new``, with finite values and counts >= 0."""
+    ``old .. old + m - 1`` of a head growing to ``new``, with finite values and counts >= 0,
+    and, given ``head = (weight, bias)`` (the established rows it joins), within
+    :func:`row_bounds` of them."""
     rows, biases, counts = proposal
     m = len(counts)
     if rows.shape != (m, dim) or biases.shape != (m,) or old + m > new:
         raise ValueError(f"Invalid row proposal: rows {rows.shape}, biases {biases.shape}, {m} counts")
     if not (np.all(np.isfinite(rows)) and np.all(np.isfinite(biases)) and np.all(counts >= 0)):
         raise ValueError("Invalid row proposal: non-finite values or negative counts")
+    if head is None:
+        return
+    reach, low, high = row_bounds(*head)
+    norms = np.linalg.norm(np.asarray(rows, np.float64), axis=1)
+    for j in range(m):
+        if norms[j] > reach or not low <= biases[j] <= high:
+            raise ValueError(
+                f"Invalid row proposal: class {old + j} has a row of norm {norms[j]:.4g} and bias {biases[j]:.4g}, "
+                f"beyond {ROW_SCALE:g}x the model's largest row norm (norm <= {reach:.4g}, bias in "
+                f"[{low:.4g}, {high:.4g}])"
+            )
 
 
 def merge_row_proposals(

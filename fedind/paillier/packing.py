@@ -20,15 +20,25 @@ an offset (non-negative) level whose mean is exact: :math:`E[\ell_j] - Q = \math
 
 (85 slots for a 2048-bit key, 42 for 1024; the last plaintext is padded with zero levels).
 The server weights the sites with integers :math:`k_i \ge 0`, :math:`\sum_i k_i = W \le K`,
-:math:`K = 2^{10}` (:func:`integer_weights` rounds the strategy's weights to multiples of
+:math:`K = 2^9` (:func:`integer_weights` rounds the strategy's weights to multiples of
 :math:`1/K`, whatever the number of sites, so the headroom is for the weight sum, not the site
 count) and computes :math:`\prod_i c_i^{k_i} = \mathrm{Enc}(\sum_i k_i m_i)`. Each slot then
-holds :math:`T = \sum_i k_i \ell_i \le W \cdot 2Q \le 2^{10}(2^{14}-2) < 2^{24}`: the bit budget
-is 24 = 1 (sign, as the offset) + 13 (value) + 10 (weight headroom), so no slot can carry into
-the next whatever the number of sites, and a sum of more than :data:`MAX_SITES` = K sites
-(some would get weight 0) is refused. The decrypting site rejects a slot above
-:math:`W \cdot 2Q` or any bit above the last slot (a site that encrypted an out-of-range
-plaintext) and returns
+holds :math:`T = \sum_i k_i \ell_i \le W \cdot 2Q \le 2^9(2^{14}-2) < 2^{23}`: the bit budget
+is 24 = 1 (guard) + 1 (sign, as the offset) + 13 (value) + 9 (weight headroom), so no honest
+slot sum carries into the next whatever the number of sites, a sum of more than
+:data:`MAX_SITES` = K sites (some would get weight 0) is refused, and the top bit of every
+slot is a guard bit no honest sum sets.
+
+Range check (the decrypting site, :func:`sum_fault`): a lying site may encrypt any plaintext
+mod ``n``; it is caught when the SUM leaves what honest sites can produce: a slot above
+:math:`W \cdot 2Q` (the guard bit, or a value past the honest maximum), a padding slot of
+the last plaintext that is not 0, or a bit above the last slot. Then :func:`decrypt_sum`
+raises :class:`SumOutOfRange` and nothing is decoded. What it cannot catch: a lie whose sum
+stays in range (a site that knows the others' sum can move every value of the mean anywhere
+in ``[-c, c]``: only zero-knowledge range proofs would stop it), and which site lied (the
+check sees the sum only; decrypting one site's update is never done). A lie that wraps a
+slot past :math:`2^{24}` lands in the guard half with probability about 1/2 per slot.
+The decrypting site returns
 
 .. math::  \hat d_j = \frac{T_j - W Q}{W Q}\, c
            = \sum_i \frac{k_i}{W}\, \frac{(\ell_{ij} - Q)\,c}{Q}.
@@ -84,6 +94,7 @@ __all__ = [
     "MAX_SITES",
     "MIN_SITES",
     "ObfuscatorPool",
+    "SumOutOfRange",
     "VALUE_MAX",
     "decrypt_sum",
     "encrypt_levels",
@@ -91,16 +102,18 @@ __all__ = [
     "parse_record",
     "quantisation_bound",
     "quantise",
+    "sum_fault",
     "weighted_sum",
 ]
 
 FORMAT = "fedind.paillier"
 VERSION = 3
 DENSE_VERSION = 2  # read as a dense payload: version 3 without "set"
-WEIGHT_BITS = 10
+GUARD_BITS = 1  # the top bit of a slot: no honest sum sets it (sum_fault)
+WEIGHT_BITS = 9
 MAX_SITES = 2**WEIGHT_BITS  # K: the integer weights of a sum add up to at most this
 MIN_SITES = 2  # an aggregate of fewer sites would be one site's update
-VALUE_BITS = SLOT_BITS - 1 - WEIGHT_BITS  # 13
+VALUE_BITS = SLOT_BITS - GUARD_BITS - 1 - WEIGHT_BITS  # 13
 VALUE_MAX = 2**VALUE_BITS - 1  # Q
 KINDS = ("update", "aggregate")
 DENSE_KEYS = frozenset(
@@ -111,6 +124,10 @@ RECORD_KEYS = DENSE_KEYS | {"set"}
 
 class CiphertextError(ValueError):
     """An encrypted payload that fails validation; the message names the field and the fault."""
+
+
+class SumOutOfRange(CiphertextError):
+    """A decrypted sum that honest sites cannot produce: a site encrypted out-of-range values."""
 
 
 # --------------------------------------------------------------------------- fixed point
@@ -155,15 +172,15 @@ def pack(levels: np.ndarray, slots: int) -> list[int]:
     return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
-def unpack(plaintexts: Sequence[int], slots: int, count: int) -> np.ndarray:
-    """Inverse of :func:`pack` for slot sums: int64 ``[count]``. Raises CiphertextError when a
-    plaintext has bits above its last slot (an out-of-range plaintext went into the sum)."""
+def unpack(plaintexts: Sequence[int], slots: int, count: int | None = None) -> np.ndarray:
+    """Inverse of :func:`pack` for slot sums: int64 ``[count]`` (None: every slot, the padding
+    included). SumOutOfRange when a plaintext has bits above its last slot."""
     width = slots * SLOT_BITS
     nbytes = (width + 7) // 8
     rows = []
     for i, m in enumerate(plaintexts):
         if m >> width:
-            raise CiphertextError(
+            raise SumOutOfRange(
                 f"ciphertext {i}: the decrypted sum has bits above its {slots} slots: "
                 f"overflow (a site encrypted an out-of-range plaintext)"
             )
@@ -173,6 +190,31 @@ def unpack(plaintexts: Sequence[int], slots: int, count: int) -> np.ndarray:
     bits = np.unpackbits(np.stack(rows), axis=1, bitorder="little")[:, :width].reshape(-1, slots, SLOT_BITS)
     powers = (1 << np.arange(SLOT_BITS, dtype=np.int64))
     return (bits.astype(np.int64) * powers).sum(axis=2).ravel()[:count]
+
+
+def sum_fault(sums: np.ndarray, weight: int, count: int) -> str | None:
+    """Why the slot sums ``sums`` (every slot, :func:`unpack`) of ``count`` values under the
+    weight sum ``weight`` cannot come from honest sites, or None when they can: honest levels
+    lie in ``[0, 2Q]``, so each value's sum lies in ``[0, W 2Q]`` (below the guard bit) and
+    the padding after the last value sums to 0."""
+    values, padding = sums[:count], sums[count:]
+    limit = weight * 2 * VALUE_MAX
+    over = np.flatnonzero(values > limit)
+    if over.size:
+        j = int(over[0])
+        guard = int(np.count_nonzero(values[over] >> (SLOT_BITS - GUARD_BITS)))
+        return (
+            f"value {j}: decrypted slot sum {int(values[j])} exceeds {limit} = weight {weight} x 2Q "
+            f"({over.size} of {count} values out of range, {guard} with the guard bit set): "
+            f"overflow (a site encrypted an out-of-range plaintext)"
+        )
+    if np.any(padding):
+        j = int(np.flatnonzero(padding)[0])
+        return (
+            f"padding slot {count + j} sums to {int(padding[j])}, not 0: "
+            f"overflow (a site encrypted an out-of-range plaintext)"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- encryption
@@ -346,22 +388,17 @@ def weighted_sum(vectors: Sequence[EncryptedVector], weights: Sequence[int], key
 
 
 def decrypt_sum(aggregate: EncryptedVector, key: PrivateKey) -> np.ndarray:
-    """The weighted mean (float32 ``[count]``) of an aggregate; CiphertextError when a slot
-    sum exceeds ``W * 2Q`` or a plaintext has bits above its slots (overflow)."""
+    """The weighted mean (float32 ``[count]``) of an aggregate; SumOutOfRange when the sum is
+    one honest sites cannot produce (:func:`sum_fault`, or bits above the slots)."""
     if aggregate.fingerprint != key.public.fingerprint:
         raise CiphertextError(
             f"key fingerprint {aggregate.fingerprint[:16]}… is not this site's key {key.public.fingerprint[:16]}…"
         )
-    plaintexts = key.decrypt_many(aggregate.ciphertexts)
-    sums = unpack(plaintexts, key.public.slots, aggregate.count)
-    limit = aggregate.weight * 2 * VALUE_MAX
-    if sums.size and sums.max() > limit:
-        j = int(np.argmax(sums))
-        raise CiphertextError(
-            f"value {j}: decrypted slot sum {int(sums[j])} exceeds {limit} = weight {aggregate.weight} x 2Q: "
-            f"overflow (a site encrypted an out-of-range plaintext)"
-        )
-    return dequantise(sums, aggregate.weight, aggregate.clip)
+    sums = unpack(key.decrypt_many(aggregate.ciphertexts), key.public.slots)
+    fault = sum_fault(sums, aggregate.weight, aggregate.count)
+    if fault is not None:
+        raise SumOutOfRange(fault)
+    return dequantise(sums[: aggregate.count], aggregate.weight, aggregate.clip)
 
 
 # --------------------------------------------------------------------------- payload

@@ -22,6 +22,7 @@ from .packing import (
     MIN_SITES,
     CiphertextError,
     ObfuscatorPool,
+    SumOutOfRange,
     decrypt_sum,
     encrypt_levels,
     parse_record,
@@ -31,6 +32,7 @@ from .packing import (
 PRIVATE_KEY_NODE_CONFIG = "paillier-private-key"  # node config: this site's private key file
 REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
 SITE_KEY_MISSING = wire.SITE_KEY_MISSING  # the code's table: fedind.wire
+SUM_OUT_OF_RANGE = wire.SUM_OUT_OF_RANGE  # the code's table: fedind.wire
 RESIDUAL = "paillier-residual"  # context.state ArrayRecord {"residual": float32 [model size]}: SetFeedback's
 
 
@@ -125,7 +127,8 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
 
 def decrypt_query(msg: Message, context: Context) -> Message:
     """ClientApp query handler: decrypt the server's ``encrypted-aggregate`` and return the
-    weighted mean delta as ArrayRecord ``aggregate`` (``{"mean": float32 [count]}``)."""
+    weighted mean delta as ArrayRecord ``aggregate`` (``{"mean": float32 [count]}``); a sum
+    honest sites cannot produce is refused with ``sum-out-of-range`` (nothing decoded)."""
     config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
     try:
         key = site_private_key(context, config)
@@ -138,6 +141,8 @@ def decrypt_query(msg: Message, context: Context) -> Message:
         mean = decrypt_sum(aggregate, key)
     except KeyFileError as err:
         return Message(Error(code=SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+    except SumOutOfRange as err:
+        return Message(Error(code=SUM_OUT_OF_RANGE, reason=f"refused the decrypted sum: {err}"), reply_to=msg)
     except CiphertextError as err:
         return Message(Error(code=REJECTED_CIPHERTEXT, reason=f"refused to decrypt the aggregate: {err}"), reply_to=msg)
     return Message(RecordDict({wire.AGGREGATE: ArrayRecord({"mean": Array(mean)})}), reply_to=msg)

@@ -185,10 +185,12 @@ class PhaseController:
         self, server_round: int, arrays: ArrayRecord, first: int, num_classes: int, proposing: list[tuple[str, Mapping]]
     ) -> dict[int, tuple[np.ndarray, float]]:
         """The sites' proposed rows for classes ``first .. num_classes - 1``, merged
-        (:func:`merge_row_proposals`); a malformed proposal is logged and left out."""
+        (:func:`merge_row_proposals`); a malformed proposal, or one beyond the scale of the
+        rows before ``first`` (:func:`~fedind.continual.phases.row_bounds`), is logged and left out."""
         if not proposing:
             return {}
         dim = arrays[HEAD_WEIGHT].shape[1]
+        head = (arrays[HEAD_WEIGHT].numpy()[:first], arrays[HEAD_BIAS].numpy()[:first])
         valid = []
         for site, record in proposing:
             try:
@@ -198,7 +200,7 @@ class PhaseController:
                 if counts.ndim != 1 or flat.shape != (m * (dim + 1),):
                     raise ValueError(f"{flat.size} values for {m} classes of {dim} features (+ bias)")
                 proposal = (flat[: m * dim].reshape(m, dim), flat[m * dim :], counts)
-                check_row_proposal(proposal, first, num_classes, dim)
+                check_row_proposal(proposal, first, num_classes, dim, head=head)
             except (TypeError, ValueError) as err:
                 log(WARNING, "round %d: site %s proposes invalid new-class rows (%s); ignored", server_round, site, err)
                 continue

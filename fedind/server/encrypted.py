@@ -10,11 +10,13 @@ One round with ``encryption = "paillier"``::
     server  decode each reply once (fedind.server.pipeline: format, key fingerprint, count, clip, sizes, every ciphertext
             in [1, n^2)): a bad one becomes an error reply, logged and counted in failures
             -> the inner strategy's site weights w_i (num-examples, or DWA's KL weights
-            from the label histograms) -> integers k_i, sum K = 1024
+            from the label histograms) -> integers k_i, sum K = 512
             -> prod_i c_i^k_i mod n^2 = Enc(sum_i k_i m_i)  (public key only)
             -> QUERY message ``encrypted-aggregate`` to one site (rotating each round)
-    site    decrypt (CRT), check every slot is in range, reply ArrayRecord ``aggregate``
-            = the weighted mean delta (float32)
+    site    decrypt (CRT), check the sum is one honest sites can produce (every slot in
+            range, guard bits and padding clear: fedind.paillier.packing.sum_fault), reply
+            ArrayRecord ``aggregate`` = the weighted mean delta (float32), or the error
+            ``sum-out-of-range``: with two such answers the round is refused, its model kept
     server  one synthetic reply ``w_global + mean delta`` with the summed num-examples and
             the weighted scalar metrics -> the inner strategy's aggregate_train (server
             momentum, FedAdam, DWA's momentum restart all act on the aggregate as usual)
@@ -58,6 +60,7 @@ from .screening import InvalidUpdate as InvalidReply
 
 REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
 DECRYPT_ATTEMPTS = 3  # sites asked in turn when a decrypt query fails
+OUT_OF_RANGE_QUORUM = 2  # decrypting sites that must find the sum out of range to refuse the round
 
 
 # --------------------------------------------------------------------------- server
@@ -128,6 +131,7 @@ class SecureAggregation(Strategy):
         self.sparse = sparse
         self.coordinates: np.ndarray | None = None  # this round's announced set (sparse rounds)
         self._last_global: np.ndarray | None = None  # the model sent last round (flat), for the change
+        self.refused_rounds = 0  # rounds whose sum was out of range (a site encrypted out-of-range values)
 
     def summary(self) -> None:
         log(INFO, "\t├──> Paillier-encrypted aggregation:")
@@ -186,7 +190,7 @@ class SecureAggregation(Strategy):
         except CiphertextError as err:
             log(WARNING, "encrypted round %d: refused to aggregate: %s", server_round, err)
             return None, None
-        mean = self._decrypt(server_round, aggregate, [u.node_id for u in updates])
+        mean = self._decrypt(server_round, aggregate, updates)
         if mean is None:
             return None, None
         if self.sparse is not None:  # the mean on the announced set, scattered into a dense delta
@@ -250,15 +254,19 @@ class SecureAggregation(Strategy):
             temperature=self.dwa["temperature"], floor=self.dwa["floor"],
         )
 
-    def _decrypt(self, server_round: int, aggregate: EncryptedVector, nodes: list[int]) -> np.ndarray | None:
-        """Ask key-holding sites in turn (rotating with the round) to decrypt the sum."""
+    def _decrypt(self, server_round: int, aggregate: EncryptedVector, updates: list[SiteUpdate]) -> np.ndarray | None:
+        """Ask key-holding sites in turn (rotating with the round) to decrypt the sum. When
+        :data:`OUT_OF_RANGE_QUORUM` of them find it out of range (or fewer, and no other one
+        decrypts it), the round is refused and counted: a site lied, which one the sum cannot tell."""
         content = RecordDict(
             {
                 wire.ENCRYPTED_AGGREGATE: ConfigRecord(aggregate.to_config(self.key)),
                 wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: str(self.train_config[wire.RUN_CONFIG])}),
             }
         )
+        nodes = [u.node_id for u in updates]
         start = (server_round - 1) % len(nodes)
+        out_of_range: list[str] = []
         for node in (nodes[(start + i) % len(nodes)] for i in range(min(DECRYPT_ATTEMPTS, len(nodes)))):
             query = Message(content=content, message_type=MessageType.QUERY, dst_node_id=node)
             answers = list(self.grid.send_and_receive([query], timeout=self.timeout))
@@ -268,6 +276,21 @@ class SecureAggregation(Strategy):
                 return self._check_mean(answers[0], aggregate.count)
             except InvalidReply as err:
                 log(WARNING, "encrypted round %d: node %d did not decrypt the aggregate: %s", server_round, node, err)
+                if answers and answers[0].has_error() and answers[0].error.code == wire.SUM_OUT_OF_RANGE:
+                    out_of_range.append(answers[0].error.reason)
+                    if len(out_of_range) == OUT_OF_RANGE_QUORUM:
+                        break
+        if out_of_range:
+            self.refused_rounds += 1
+            log(
+                WARNING,
+                "encrypted round %d: refused the aggregate: %d decrypting site(s) found a sum honest sites cannot "
+                "produce (%s); one of the sites %s encrypted out-of-range values, which one cannot be known (no "
+                "single update is ever decrypted); the global model stays (%d round(s) refused so far)",
+                server_round, len(out_of_range), out_of_range[0], sorted(u.site_id for u in updates),
+                self.refused_rounds,
+            )
+            return None
         log(WARNING, "encrypted round %d: no site decrypted the aggregate; the global model stays", server_round)
         return None
 
@@ -310,16 +333,24 @@ class SecureAggregation(Strategy):
         return {
             "global_histogram": None if self.global_histogram is None else self.global_histogram.state_dict(),
             "strategy": strategy_state(self.strategy),  # e.g. FedAvgM's momentum, DWA's buffers
+            "refused_rounds": self.refused_rounds,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        if not isinstance(state, Mapping) or set(state) != {"global_histogram", "strategy"}:
-            raise ValueError("Invalid SecureAggregation state: expected keys ['global_histogram', 'strategy']")
+        """Restore :meth:`state_dict`; a checkpoint from before ``refused_rounds`` starts its count at 0."""
+        keys = {"global_histogram", "strategy"}
+        if not isinstance(state, Mapping) or not keys <= set(state) <= keys | {"refused_rounds"}:
+            raise ValueError("Invalid SecureAggregation state: expected keys ['global_histogram', 'strategy', "
+                             "'refused_rounds']")
+        refused = state.get("refused_rounds", 0)
+        if type(refused) is not int or refused < 0:
+            raise ValueError(f"Invalid SecureAggregation state: refused_rounds {refused!r}")
         if (state["global_histogram"] is None) != (self.global_histogram is None):
             raise ValueError("Invalid SecureAggregation state: global histogram does not match the weighting")
         load_strategy_state(self.strategy, state["strategy"])
         if self.global_histogram is not None:
             self.global_histogram.load_state_dict(state["global_histogram"])
+        self.refused_rounds = refused
 
 
 def encrypted_server(
