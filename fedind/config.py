@@ -26,7 +26,6 @@ STRATEGIES = (
     "fedind", "fedavg", "fedprox", "fedavgm", "fedadam", "fedmedian", "fedtrimmedavg", "krum", "trimmedavgm", "dwa"
 )
 DWA_STRATEGIES = ("fedind", "dwa")
-EWC_SCOPES = ("all", "body")  # which arrays the EWC penalty consolidates: every array, or all but the head (fedind.continual.ewc)
 EWC_ANCHORS = ("phase-end", "global")  # what the EWC penalty holds the kept coordinates near (fedind.continual.ewc)
 YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual.phases)
 COMPRESSIONS = ("none", "topk")
@@ -122,7 +121,6 @@ class RunConfig:
     ewc_server_lambda: float = 0.0  # server damps each coordinate's drift from its anchor by 1/(1 + this*F) (0 = off)
     ewc_keep: float = 1.0  # EWC: share of the Fisher's coordinates kept at each consolidation (the largest; 1 = all)
     ewc_fade_rounds: int = 0  # EWC's weight fades linearly to 0 over this many rounds after each phase end (0 = constant)
-    ewc_scope: str = "all"  # EWC consolidates: all (every array) | body (the features; the head stays free for new classes and regimes)
     ewc_anchor: str = "phase-end"  # EWC anchors: phase-end (the model at the last phase end) | global (the model each round starts from)
     young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa averages them over its holders; other strategies refit)
 
@@ -199,7 +197,6 @@ class RunConfig:
             "ewc-server-lambda": math.isfinite(self.ewc_server_lambda) and self.ewc_server_lambda >= 0,
             "ewc-keep": 0 < self.ewc_keep <= 1,
             "ewc-anchor": self.ewc_anchor in EWC_ANCHORS,
-            "ewc-scope": self.ewc_scope in EWC_SCOPES,
             "ewc-fade-rounds": self.ewc_fade_rounds >= 0,
             "young-rows": self.young_rows in YOUNG_ROWS,
         }

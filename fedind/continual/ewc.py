@@ -75,7 +75,7 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 from ..data.format import SiteArrays
-from .expansion import HEAD_WEIGHT, expand_head, pad_head_rows
+from .expansion import expand_head, pad_head_rows
 
 __all__ = [
     "FISHER_KINDS",
@@ -363,10 +363,9 @@ class EWCState:
     ``consolidate`` at each phase boundary; ``expand_classes`` when the head grows.
     """
 
-    def __init__(self, gamma: float = 1.0, keep: float = 1.0, free: Sequence[str] = ()) -> None:
+    def __init__(self, gamma: float = 1.0, keep: float = 1.0) -> None:
         self.gamma = _real(gamma, "gamma", 0.0, 1.0)
         self.keep = _real(keep, "keep", 0.0, 1.0)
-        self.free = frozenset(free)  # arrays never consolidated (e.g. the head, ewc-scope = body)
         self.fisher: dict[str, np.ndarray] = {}
         self.anchors: dict[str, np.ndarray] = {}
         self.phases = 0
@@ -380,7 +379,7 @@ class EWCState:
         r"""End a phase: :math:`F \leftarrow \gamma F + \mathrm{aggregate}(F_s, w_s)`,
         :math:`\theta^* \leftarrow` ``anchors`` (the global model now; names of the Fisher
         are taken from it). Nothing changes if anything is invalid."""
-        phase = {n: f for n, f in aggregate_fishers(fishers, weights).items() if n not in self.free}
+        phase = aggregate_fishers(fishers, weights)
         fisher = merge_fisher(self.fisher or None, phase, self.gamma)
         missing = sorted(set(fisher) - set(anchors))
         if missing:
@@ -397,7 +396,7 @@ class EWCState:
     def expand_classes(self, new_num_classes: int, new_bias: float | None = None) -> None:
         """Grow the head rows: Fisher rows 0 (new classes unconstrained), anchor rows as
         :func:`fedind.continual.expansion.expand_head` (their value is irrelevant under F = 0)."""
-        if HEAD_WEIGHT not in self.fisher:  # nothing consolidated yet, or the head is free
+        if not self.fisher:
             return
         fisher = pad_head_rows(self.fisher, new_num_classes, fill=0.0)
         anchors = expand_head(self.anchors, new_num_classes, new_bias=new_bias)

@@ -47,7 +47,7 @@ from ..continual.phases import (
 )
 from ..data.format import SiteArrays
 from ..continual.ewc import EWCState, server_consolidation
-from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT, expand_head, set_head_rows
+from ..continual.expansion import HEAD_WEIGHT, expand_head, set_head_rows
 from ..files import atomic_write
 from .metering import payload_bytes, site_id_of
 from ..models import FaultCNN
@@ -102,8 +102,7 @@ class PhaseController:
         self.folder = Path(folder)
         self.run_config_json = run_config_json
         self.pipeline = pipeline  # follows a grown head (the length of a valid label histogram)
-        free = (HEAD_WEIGHT, HEAD_BIAS) if config.ewc_scope == "body" else ()
-        self.ewc = EWCState(config.ewc_gamma, config.ewc_keep, free) if config.ewc_lambda > 0 else None
+        self.ewc = EWCState(config.ewc_gamma, config.ewc_keep) if config.ewc_lambda > 0 else None
         self.consolidated: list[int] = []  # phases whose end the sites were told of
         self.expansions: list[dict] = []  # {"round", "from", "to", "proposed_rows"}
         self.rows: list[dict] = []  # per-round scores (phases.csv)
