@@ -47,7 +47,7 @@ from ..continual.phases import (
 )
 from ..data.format import SiteArrays
 from ..continual.ewc import EWCState, server_consolidation
-from ..continual.expansion import HEAD_WEIGHT, expand_head, set_head_rows
+from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT, expand_head, set_head_rows
 from ..files import atomic_write
 from .metering import payload_bytes, site_id_of
 from ..models import FaultCNN
