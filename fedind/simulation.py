@@ -128,7 +128,7 @@ def ray_cluster(address: str | None) -> Iterator[dict]:
     for the running cluster at ``host:port`` (what ``ray start --head`` prints), which this
     process joins as a driver and leaves when the block ends; the cluster stays up.
 
-    Checked first, as Ray would not say: the address must answer within
+    Two checks first, as Ray makes neither: the address must answer within
     :data:`RAY_CONNECT_SECONDS` (``ray.init`` retries for minutes), and Ray must not be
     running in this process already (Flower would reuse that Ray and ignore the address)."""
     if address is None:
@@ -145,9 +145,11 @@ def ray_cluster(address: str | None) -> Iterator[dict]:
     try:
         socket.create_connection((host, port), timeout=RAY_CONNECT_SECONDS).close()
     except OSError as error:
-        raise ConnectionError(f"no Ray cluster answers at {address} ({error}); is `ray start --head` running there?") from error
+        raise ConnectionError(
+            f"no Ray cluster answers at {address} ({error}); is `ray start --head` running there?"
+        ) from error
     try:
-        yield {"address": f"{host}:{port}"}
+        yield {"address": address.strip()}
     finally:
         ray.shutdown()  # this process leaves the cluster; the cluster stays up
 
