@@ -9,8 +9,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from fedind import wire
 from fedind.topk.codec import decode, expected_of, from_record
 from fedind.config import RunConfig
-from fedind.server.metering import MeteredGrid, PerReply, payload_bytes
-from fedind.topk.uplink import REJECTED_PAYLOAD, EstimateUplink, densify_reply, topk_mod
+from fedind.server.metering import payload_bytes
+from fedind.server.pipeline import Rejected, decode_reply
+from fedind.topk.codec import PayloadError
+from fedind.topk.uplink import REJECTED_PAYLOAD, EstimateUplink, TopkUplink, topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -71,14 +73,13 @@ def test_sparse_reply_is_small_and_decodes_to_global_plus_sent_delta():
     assert payload_bytes(reply.content) * 50 < dense_bytes
     assert reply.content[wire.METRICS][wire.COMPRESS_SECONDS] >= 0
 
-    restored = densify_reply(msg, reply)
+    update = decode_reply(msg, reply, g, uplink=TopkUplink())
     sent = decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(g))
     total = sum(v.size for v in g.values())
     assert sum(int(np.count_nonzero(v)) for v in sent.values()) == round(0.01 * total)
     for name in g:
-        np.testing.assert_allclose(restored.content[wire.ARRAYS][name].numpy(), g[name] + sent[name], rtol=0, atol=1e-6)
-    assert restored.content[wire.SITE][wire.SITE_ID] == "line-07"
-    assert restored.metadata.src_node_id == 7
+        np.testing.assert_allclose(update.weights[name], g[name] + sent[name], rtol=0, atol=1e-6)
+    assert update.site_id == "line-07" and update.num_examples == 100
 
 
 def test_gain_scales_the_decoded_delta_not_the_global_weights():
@@ -87,11 +88,9 @@ def test_gain_scales_the_decoded_delta_not_the_global_weights():
     msg = instruction(g, compression="topk", topk_ratio=0.01, topk_warmup_rounds=0)
     reply = topk_mod(msg, context(), site_training(local))
     sent = decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(g))
-    restored = densify_reply(msg, reply, gain=1.5)
+    change = TopkUplink(gain=1.5).decode(msg, reply)
     for name in g:
-        np.testing.assert_allclose(
-            restored.content[wire.ARRAYS][name].numpy(), g[name] + 1.5 * sent[name], rtol=0, atol=1e-6
-        )
+        np.testing.assert_allclose(change[name], 1.5 * sent[name], rtol=0, atol=1e-6)
 
 
 def test_error_feedback_residual_persists_in_context_state_across_rounds():
@@ -131,23 +130,15 @@ def corrupt(reply: Message) -> Message:
     return reply
 
 
-def test_a_malformed_payload_becomes_an_error_reply_and_a_counted_failure():
+def test_a_malformed_payload_is_rejected_with_its_code_and_the_fault():
     g = arrays(0)
     msg = instruction(g, compression="topk")
     reply = corrupt(topk_mod(msg, context(), site_training(arrays(1))))
-    rejected = densify_reply(msg, reply)
-    assert rejected.has_error() and rejected.error.code == REJECTED_PAYLOAD
-    assert "rejected sparse update" in rejected.error.reason
-
-    class OneSiteGrid:
-        def send_and_receive(self, messages, *, timeout=None):
-            return [reply]
-
-    grid = MeteredGrid(OneSiteGrid(), transform=PerReply(densify_reply))
-    (out,) = grid.send_and_receive([msg])
-    traffic = grid.take()
-    assert out.has_error() and len(traffic.failures) == 1 and "rejected sparse update" in traffic.failures[0]
-    assert traffic.uplink_bytes == payload_bytes(reply.content)  # the bytes did cross the wire
+    with pytest.raises(PayloadError):
+        TopkUplink().decode(msg, reply)
+    with pytest.raises(Rejected, match="rejected sparse update") as rejected:
+        decode_reply(msg, reply, g, uplink=TopkUplink())
+    assert rejected.value.code == REJECTED_PAYLOAD
 
 
 @pytest.mark.parametrize(
@@ -165,14 +156,17 @@ def test_invalid_compression_settings_fail_at_start(key, value):
 
 def estimate_round(uplink, ctx, g: dict, local: dict, server_round: int, corrupt_reply=None):
     """One round through EstimateUplink: prepare the instruction, the site's mod, decode,
-    settle (the reply accepted unless it is an error)."""
+    settle (the reply accepted unless decoding failed); ``out``: the estimate, or the PayloadError."""
     msg = uplink.prepare(instruction(g, server_round, compression="topk", topk_feedback="estimate",
                                      topk_ratio=0.02, topk_warmup_rounds=0))
     reply = topk_mod(msg, ctx, site_training(local))
     if corrupt_reply is not None:
         reply = corrupt_reply(reply)
-    out = uplink.densify(msg, reply)
-    uplink.settle(set() if out.has_error() else {7})
+    try:
+        out = uplink.decode(msg, reply)
+    except PayloadError as err:
+        out = err
+    uplink.settle(set() if isinstance(out, PayloadError) else {7})
     return msg, reply, out
 
 
@@ -183,16 +177,15 @@ def test_ef21_site_and_server_hold_the_same_estimate_and_it_tracks_a_steady_upda
     errors = []
     for server_round in range(1, 31):
         msg, reply, out = estimate_round(uplink, ctx, g, local, server_round)
-        # The server's dense reply is global + its estimate, and the site holds that same estimate.
+        # The server's change for the site is its estimate, and the site holds that same estimate.
         site_estimate = {k: v.numpy() for k, v in ctx.state["topk-estimate"].items()}
         for name in g:
             np.testing.assert_array_equal(uplink.estimates[7][name], site_estimate[name])
-            np.testing.assert_array_equal(out.content[wire.ARRAYS][name].numpy(), g[name] + site_estimate[name])
+            np.testing.assert_array_equal(out[name], site_estimate[name])
         # Round 1 starts from zeros; afterwards the site builds on the estimate the server names.
         held, base = msg.content[wire.TOPK_ESTIMATE][wire.TOKEN], reply.content[wire.TOPK_ESTIMATE][wire.TOKEN]
         assert (held, base) == ("", "") if server_round == 1 else (held != "" and base == held)
         errors.append(sum(float(np.linalg.norm(update[k] - site_estimate[k]) ** 2) for k in g) ** 0.5)
-    assert wire.TOPK_ESTIMATE not in out.content.config_records and wire.SPARSE_UPDATE not in out.content.config_records
     # 2 % of the coordinates (int4) per round: the estimate of a steady Gaussian update
     # (no heavy tail for top-k to exploit) closes most of the gap within 30 rounds.
     assert errors[-1] < 0.25 * errors[0] and errors == sorted(errors, reverse=True)
@@ -206,7 +199,7 @@ def test_ef21_a_rejected_reply_makes_both_sides_start_again_from_zeros():
     assert 7 not in uplink.estimates
     msg, reply, out = estimate_round(uplink, ctx, g, local, 3)
     assert msg.content[wire.TOPK_ESTIMATE][wire.TOKEN] == "" and reply.content[wire.TOPK_ESTIMATE][wire.TOKEN] == ""
-    assert not out.has_error() and 7 in uplink.estimates
+    assert not isinstance(out, PayloadError) and 7 in uplink.estimates
 
 
 def test_ef21_a_site_that_lost_its_state_restarts_from_zeros_and_an_unknown_base_is_rejected():
@@ -216,14 +209,14 @@ def test_ef21_a_site_that_lost_its_state_restarts_from_zeros_and_an_unknown_base
     # A fresh context (site restarted without its state) cannot build on the server's estimate.
     msg, reply, out = estimate_round(uplink, context(), g, local, 2)
     assert msg.content[wire.TOPK_ESTIMATE][wire.TOKEN] != "" and reply.content[wire.TOPK_ESTIMATE][wire.TOKEN] == ""
-    assert not out.has_error()
+    assert not isinstance(out, PayloadError)
 
     def forged_base(reply):
         reply.content[wire.TOPK_ESTIMATE] = ConfigRecord({wire.TOKEN: "0123456789abcdef"})
         return reply
 
     _, _, out = estimate_round(uplink, context(), g, local, 3, corrupt_reply=forged_base)
-    assert out.has_error() and out.error.code == REJECTED_PAYLOAD and "estimate base" in out.error.reason
+    assert isinstance(out, PayloadError) and "estimate base" in str(out)
     assert 7 not in uplink.estimates  # rejected: forgotten, the next round starts from zeros
 
 

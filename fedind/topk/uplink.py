@@ -6,8 +6,9 @@ Site::   reply weights w_local  ->  delta = w_local - w_global  ->  ErrorFeedbac
 Server:: decode against the w_global sent to that site (:meth:`TopkUplink.decode`, called
          once per reply by :func:`fedind.server.pipeline.decode_reply`) -> the site's
          weights w_global + gain * delta, its typed update for every strategy.
-A payload that fails validation becomes an error reply with the reason: the strategy logs
-it and drops that site for the round; nothing of it reaches the model.
+A payload that fails validation is rejected with the reason (code ``REJECTED_PAYLOAD``,
+by the pipeline): the server logs it and drops that site for the round; nothing of it
+reaches the model.
 
 The error-feedback residual is site state: it lives in the ClientApp's ``context.state``
 (kept by Flower across rounds for the life of the SuperNode). With ``topk-feedback =
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from .. import wire
 from .codec import PayloadError, decode, encode, expected_of, from_record, to_record
@@ -88,39 +89,10 @@ def topk_mod(msg: Message, context: Context, call_next: Callable[[Message, Conte
     return Message(content, reply_to=msg)
 
 
-def _rejected(instruction: Message, reason: str) -> Message:
-    return Message(Error(code=REJECTED_PAYLOAD, reason=f"rejected sparse update: {reason}"), reply_to=instruction)
-
-
 def _sent_change(instruction: Message, reply: Message) -> dict[str, np.ndarray]:
     """The dense float32 arrays the reply's ``sparse-update`` payload carries, checked
     against the global arrays sent to that site; PayloadError naming the fault."""
     return decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(instruction.content[wire.ARRAYS]))
-
-
-def _with_weights(instruction: Message, reply: Message, change: dict[str, np.ndarray]) -> Message:
-    """``reply`` carrying dense ``arrays`` = the global weights sent plus ``change``, in
-    place of its sparse payload (and estimate token)."""
-    sent = {name: array.numpy() for name, array in instruction.content[wire.ARRAYS].items()}
-    dense = ArrayRecord({name: Array((base + change[name]).astype(base.dtype)) for name, base in sent.items()})
-    dropped = (wire.SPARSE_UPDATE, wire.TOPK_ESTIMATE)
-    content = RecordDict({name: record for name, record in reply.content.items() if name not in dropped})
-    content[wire.ARRAYS] = dense
-    return Message(content, reply_to=instruction)
-
-
-def densify_reply(instruction: Message, reply: Message, gain: float = 1.0) -> Message:
-    """A reply carrying ``sparse-update`` as one carrying dense ``arrays`` (the global weights
-    sent to that site plus ``gain`` times the decoded delta); a malformed payload becomes an
-    error reply naming the fault; other replies pass unchanged. For a server without
-    :class:`~fedind.server.pipeline.ReplyPipeline` (fedind's decodes in the pipeline)."""
-    if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
-        return reply
-    try:
-        change = TopkUplink(gain).decode(instruction, reply)
-    except PayloadError as err:
-        return _rejected(instruction, str(err))
-    return _with_weights(instruction, reply, change)
 
 
 class TopkUplink:
@@ -214,16 +186,6 @@ class EstimateUplink:
             raise PayloadError(f"estimate base {base!r} is not the one held for this site ({held!r})")
         self._pending[node] = estimate
         return estimate
-
-    def densify(self, instruction: Message, reply: Message) -> Message:
-        """:meth:`decode` as a reply with dense weights (an error reply for a bad payload),
-        for a server without :class:`~fedind.server.pipeline.ReplyPipeline`."""
-        if reply.has_error() or wire.SPARSE_UPDATE not in reply.content.config_records:
-            return reply
-        try:
-            return _with_weights(instruction, reply, self.decode(instruction, reply))
-        except PayloadError as err:
-            return _rejected(instruction, str(err))
 
     def settle(self, accepted: set[int]) -> None:
         """Commit this round's estimates for the ``accepted`` node ids; drop the others'."""
