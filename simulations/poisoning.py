@@ -201,7 +201,20 @@ def attacked_app(attack: Attack, sites: tuple[int, ...]) -> ClientApp:
 # --------------------------------------------------------------------------- colluding attacks
 
 
-def colluding_update(honest: np.ndarray, attack: Attack) -> np.ndarray:
+def within(update: np.ndarray, limit: int | None) -> np.ndarray:
+    """``update`` with only its ``limit`` largest-magnitude values kept (all when ``None``):
+    what a site can send when the server holds replies to the round's top-k budget
+    (:class:`fedind.topk.uplink.RoundBudget`)."""
+    if limit is None or limit >= np.count_nonzero(update):
+        return update
+    kept = np.zeros_like(update)
+    if limit > 0:
+        top = np.argpartition(np.abs(update), update.size - limit)[update.size - limit:]
+        kept[top] = update[top]
+    return kept
+
+
+def colluding_update(honest: np.ndarray, attack: Attack, limit: int | None = None) -> np.ndarray:
     r"""The one update every colluding attacker sends, from the round's honest updates
     ``honest`` [n, D] (every site's, the attackers' own honest ones included: the
     strongest setting of the papers). With :math:`\mu`, :math:`\sigma` their coordinate-wise
@@ -212,15 +225,19 @@ def colluding_update(honest: np.ndarray, attack: Attack) -> np.ndarray:
     - ``minmax`` / ``minsum`` (Shejwalkar & Houmansadr 2021): :math:`\mu - \gamma\sigma` with
       the largest :math:`\gamma` (bisection) whose largest distance to an honest update
       (minmax), or whose sum of squared distances to them (minsum), is no more than the
-      largest such figure of an honest update: it stays inside the honest spread."""
+      largest such figure of an honest update: it stays inside the honest spread.
+
+    ``limit``: the most values the attackers may send (the round's top-k budget, less what
+    the honest classifier bias takes); the update is cut to its ``limit`` largest values,
+    and min-max / min-sum choose :math:`\gamma` for the cut update."""
     h = np.asarray(honest, dtype=np.float64)
     if h.ndim != 2 or len(h) < 2:
         raise ValueError("colluding attacks need at least two honest updates")
     mu, sigma = h.mean(axis=0), h.std(axis=0)
     if attack.kind == "alie":
-        return mu - attack.strength * sigma
+        return within(mu - attack.strength * sigma, limit)
     if attack.kind == "ipm":
-        return -attack.strength * mu
+        return within(-attack.strength * mu, limit)
     if attack.kind not in ("minmax", "minsum"):
         raise ValueError(f"{attack.kind} is not a colluding attack")
     gram = h @ h.T
@@ -228,7 +245,7 @@ def colluding_update(honest: np.ndarray, attack: Attack) -> np.ndarray:
     bound = sq.max() if attack.kind == "minmax" else sq.sum(axis=1).max()
 
     def inside(gamma: float) -> bool:
-        m = mu - gamma * sigma
+        m = within(mu - gamma * sigma, limit)
         d2 = np.maximum(np.sum(h * h, axis=1) - 2 * h @ m + m @ m, 0.0)
         return (d2.max() if attack.kind == "minmax" else d2.sum()) <= bound
 
@@ -238,13 +255,14 @@ def colluding_update(honest: np.ndarray, attack: Attack) -> np.ndarray:
     for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if inside(mid) else (lo, mid)
-    return mu - lo * sigma
+    return within(mu - lo * sigma, limit)
 
 
 def collude(updates: list, attack: Attack, attackers: set[str]) -> None:
     """Replace, in place, the update of every attacker (site id in ``attackers``) among the
     round's typed updates (:class:`fedind.server.pipeline.SiteUpdate`, decoded, before the
-    screen's rules) by ``colluding_update`` over every site's honest delta (float arrays).
+    screen's rules) by ``colluding_update`` over every site's honest delta (float arrays),
+    cut to the round's top-k budget.
     The classifier bias ``head.bias`` is sent as trained, as in ``bodyflip``: the attackers
     know the screen's label-alignment rule, which reads that array only. In place because
     the pipeline passes these same objects on to the strategy: the attackers know the
@@ -256,7 +274,11 @@ def collude(updates: list, attack: Attack, attackers: set[str]) -> None:
     names = sorted(n for n, w in bad[0].weights.items()
                    if np.issubdtype(w.dtype, np.floating) and n != HONEST_IN_BODYFLIP)
     flat = np.stack([np.concatenate([np.asarray(u.delta[n], np.float64).ravel() for n in names]) for u in honest])
-    update = colluding_update(flat, attack)
+    # The attackers obey the round's top-k budget (the server refuses more): as many values
+    # as the fullest honest reply, less those their honest classifier bias takes.
+    sent = max(sum(int(np.count_nonzero(d)) for d in u.delta.values()) for u in honest)
+    bias = int(np.count_nonzero(bad[0].delta.get(HONEST_IN_BODYFLIP, 0)))
+    update = colluding_update(flat, attack, limit=max(sent - bias, 0))
     offsets = np.cumsum([0] + [bad[0].delta[n].size for n in names])
     for u in bad:
         for i, name in enumerate(names):

@@ -36,9 +36,9 @@ def counting(monkeypatch) -> tuple[Counter, Counter]:
         decodes[key(reply)] += 1
         return decode_reply(instruction, reply, sent, **kwargs)
 
-    def counted_payload(instruction, reply):
+    def counted_payload(instruction, reply, schedule):
         payloads[key(reply)] += 1
-        return sent_change(instruction, reply)
+        return sent_change(instruction, reply, schedule)
 
     for name, module in list(sys.modules.items()):
         if name.startswith("fedind") and getattr(module, "decode_reply", None) is decode_reply:

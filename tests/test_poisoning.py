@@ -205,6 +205,22 @@ def test_minmax_and_minsum_stay_inside_the_honest_spread_at_its_edge(kind):
     assert figure(mu - 1.01 * gamma * sigma) > bound  # the largest such gamma
 
 
+@pytest.mark.parametrize("kind", ["alie", "ipm", "minmax", "minsum"])
+def test_colluding_updates_obey_the_top_k_budget(kind):
+    """Cut to ``limit`` values (the largest kept); min-max / min-sum pick gamma for the cut
+    update, so it still reaches the edge of the honest spread."""
+    from simulations.poisoning import colluding_update
+
+    honest = np.random.default_rng(8).normal(size=(6, 40))
+    cut = colluding_update(honest, Attack.parse(kind if kind in ("minmax", "minsum") else f"{kind}1"), limit=4)
+    assert np.count_nonzero(cut) == 4
+    if kind in ("minmax", "minsum"):
+        sq = ((honest[:, None] - honest[None]) ** 2).sum(axis=2)
+        d2 = ((honest - cut) ** 2).sum(axis=1)
+        bound, reached = (sq.max(), d2.max()) if kind == "minmax" else (sq.sum(axis=1).max(), d2.sum())
+        assert 0.99 * bound <= reached <= bound * (1 + 1e-9)
+
+
 def test_collude_replaces_the_attackers_updates_only():
     from fedind.server.pipeline import SiteUpdate
     from simulations.poisoning import collude, colluding_update

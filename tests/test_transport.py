@@ -12,7 +12,7 @@ from fedind.config import RunConfig
 from fedind.server.metering import payload_bytes
 from fedind.server.pipeline import Rejected, decode_reply
 from fedind.topk.codec import PayloadError
-from fedind.topk.uplink import REJECTED_PAYLOAD, EstimateUplink, TopkUplink, topk_mod
+from fedind.topk.uplink import REJECTED_PAYLOAD, EstimateUplink, RoundBudget, TopkUplink, topk_mod
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -120,6 +120,32 @@ def test_sparsity_warmup_sends_more_in_the_first_rounds_then_the_ratio():
         sent = decode(from_record(topk_mod(msg, ctx, site_training(local)).content[wire.SPARSE_UPDATE]), expected_of(g))
         sent_counts.append(sum(int(np.count_nonzero(v)) for v in sent.values()))
     assert sent_counts == [round(0.1 * total), round(0.01 * total), round(0.01 * total)]
+
+
+@pytest.mark.parametrize("feedback", ["residual", "estimate"])
+@pytest.mark.parametrize("server_round", [1, 2, 5])
+def test_the_server_holds_every_reply_to_the_rounds_top_k_budget(server_round, feedback):
+    """An honest reply at the warm-up schedule passes in every round; the same site
+    sending its whole change in the sparse format (a dense change: what an attacker
+    that wants to move every coordinate sends) is refused with the count and the budget."""
+    g = arrays(0)
+    local = {k: v + arrays(1, 0.01)[k] for k, v in g.items()}
+    settings = {"compression": "topk", "topk_ratio": 0.01, "topk_warmup_rounds": 1, "topk_feedback": feedback}
+    msg = instruction(g, server_round, **settings)
+    schedule = RoundBudget(0.01, 1)
+
+    def uplink():
+        return EstimateUplink(schedule=schedule) if feedback == "estimate" else TopkUplink(schedule=schedule)
+
+    honest = topk_mod(msg, context(), site_training(local))
+    decode_reply(msg, honest, g, uplink=uplink())  # accepted
+    dense = topk_mod(instruction(g, server_round, **(settings | {"topk_ratio": 1.0})), context(), site_training(local))
+    total = sum(v.size for v in g.values())
+    limit = round((0.1 if server_round == 1 else 0.01) * total)
+    with pytest.raises(Rejected, match=f"over round {server_round}'s top-k budget of {limit} of {total}") as no:
+        decode_reply(msg, dense, g, uplink=uplink())
+    assert no.value.code == REJECTED_PAYLOAD
+    assert TopkUplink().decode(msg, dense)  # without a schedule (ratio 1) every coordinate may move
 
 
 def corrupt(reply: Message) -> Message:

@@ -37,7 +37,7 @@ from .strategies import build_strategy, load_strategy_state, strategy_state
 from ..training import evaluate, pick_device
 from .encrypted import encrypted_server
 from ..topk.downlink import CompressedDownlink, digest
-from ..topk.uplink import EstimateUplink, TopkUplink
+from ..topk.uplink import EstimateUplink, RoundBudget, TopkUplink
 
 app = ServerApp()
 
@@ -112,7 +112,9 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     else:
         strategy = build_strategy(config, num_sites, num_classes)
         ef21 = config.compression == "topk" and config.topk_feedback == "estimate"
-        transform = EstimateUplink(config.topk_estimate_decay) if ef21 else TopkUplink(config.topk_gain)
+        schedule = RoundBudget(config.topk_ratio, config.topk_warmup_rounds)
+        transform = (EstimateUplink(config.topk_estimate_decay, schedule) if ef21
+                     else TopkUplink(config.topk_gain, schedule))
         screen = UpdateScreen(num_classes, alignment_threshold=alignment)
         pipeline = ReplyPipeline(uplink=transform, screen=screen)  # each reply decoded once, then screened
         if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps

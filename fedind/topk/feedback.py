@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .selection import MODES, THRESHOLDS, SparseTensor, quantise, sampled_topk_indices, topk_indices
+from .selection import MODES, THRESHOLDS, SparseTensor, budget, quantise, sampled_topk_indices, topk_indices
 
 __all__ = ["ErrorFeedback", "EstimateFeedback", "decayed", "estimate_token"]
 
@@ -133,7 +133,7 @@ class ErrorFeedback:
         if not np.all(np.isfinite(flat)):
             raise ValueError("Invalid update: update + residual overflows float32")
 
-        k = min(total, max(1, int(round(ratio * total))))
+        k = budget(ratio, total)
         mag = np.abs(flat)
         if self.threshold == "exact":
             selected = topk_indices(mag, k)

@@ -29,6 +29,7 @@ __all__ = [
     "MODES",
     "THRESHOLDS",
     "SparseTensor",
+    "budget",
     "dequantise",
     "quantise",
     "sampled_topk_indices",
@@ -158,6 +159,17 @@ def sampled_topk_indices(
         cand = cand[np.argpartition(mag[cand], cand.size - k)[cand.size - k :]]
         cand.sort()
     return cand.astype(np.int64, copy=False)
+
+
+def budget(ratio: float, total: int) -> int:
+    """Values a top-k update of ``total`` coordinates may carry at density ``ratio``:
+    ``round(ratio * total)``, at least 1 and at most ``total``. The sites select this many
+    (:class:`~fedind.topk.feedback.ErrorFeedback`) and the server refuses a reply that
+    changes more coordinates (:class:`~fedind.topk.uplink.TopkUplink`): whatever a site
+    sends, it moves at most this many coordinates of the model."""
+    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total < 0:
+        raise ValueError(f"Invalid total value: {total!r} (expected an int >= 0)")
+    return min(int(total), max(1, int(round(ratio * total))))
 
 
 def warmup_ratio(ratio: float, server_round: int, warmup_rounds: int) -> float:

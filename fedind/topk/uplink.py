@@ -27,7 +27,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from .. import wire
 from .codec import PayloadError, decode, encode, expected_of, from_record, to_record
 from .feedback import ErrorFeedback, EstimateFeedback, decayed, estimate_token
-from .selection import warmup_ratio
+from .selection import budget, warmup_ratio
 from ..config import RunConfig
 
 RESIDUALS = "topk-residuals"  # context.state ArrayRecord: error-feedback residuals
@@ -89,10 +89,38 @@ def topk_mod(msg: Message, context: Context, call_next: Callable[[Message, Conte
     return Message(content, reply_to=msg)
 
 
-def _sent_change(instruction: Message, reply: Message) -> dict[str, np.ndarray]:
+class RoundBudget:
+    """The top-k schedule the sites follow (run config ``topk-ratio``,
+    ``topk-warmup-rounds``), as the server checks it: a reply that changes more coordinates
+    than the round's :func:`~fedind.topk.selection.budget` is refused. Without the check a
+    site could send a dense change in the sparse format and move every coordinate; with
+    it, an attacker that knows every honest update of the round (the strongest setting of
+    ``simulations/poisoning.py``) still moves at most the coordinates an honest site moves."""
+
+    def __init__(self, ratio: float = 1.0, warmup_rounds: int = 0) -> None:
+        warmup_ratio(ratio, 1, warmup_rounds)  # validates both
+        self.ratio, self.warmup_rounds = float(ratio), int(warmup_rounds)
+
+    def check(self, instruction: Message, change: dict[str, np.ndarray]) -> None:
+        """PayloadError when ``change`` has more non-zero values than the round allows."""
+        total = sum(int(d.size) for d in change.values())
+        server_round = instruction.content.config_records.get(wire.CONFIG, {}).get(wire.SERVER_ROUND)
+        if isinstance(server_round, bool) or not isinstance(server_round, int) or server_round < 1 or total < 1:
+            return  # not a round instruction of a strategy (no budget to hold it to)
+        limit = budget(warmup_ratio(self.ratio, server_round, self.warmup_rounds), total)
+        sent = sum(int(np.count_nonzero(d)) for d in change.values())
+        if sent > limit:
+            raise PayloadError(
+                f"{sent} changed values, over round {server_round}'s top-k budget of {limit} of {total}")
+
+
+def _sent_change(instruction: Message, reply: Message, schedule: RoundBudget) -> dict[str, np.ndarray]:
     """The dense float32 arrays the reply's ``sparse-update`` payload carries, checked
-    against the global arrays sent to that site; PayloadError naming the fault."""
-    return decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(instruction.content[wire.ARRAYS]))
+    against the global arrays sent to that site and the round's budget; PayloadError
+    naming the fault."""
+    change = decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(instruction.content[wire.ARRAYS]))
+    schedule.check(instruction, change)
+    return change
 
 
 class TopkUplink:
@@ -109,13 +137,14 @@ class TopkUplink:
     Also the grid's transform (:class:`~fedind.server.metering.MeteredGrid`): nothing to
     add to outgoing messages, nothing to do to a reply on arrival, nothing to settle."""
 
-    def __init__(self, gain: float = 1.0) -> None:
+    def __init__(self, gain: float = 1.0, schedule: RoundBudget | None = None) -> None:
         self.gain = float(gain)
+        self.schedule = schedule or RoundBudget()
 
     def decode(self, instruction: Message, reply: Message) -> dict[str, np.ndarray]:
         """The dense float32 change ``gain * delta``; :class:`PayloadError` naming the fault."""
         scale = np.float32(self.gain)
-        return {name: scale * d for name, d in _sent_change(instruction, reply).items()}
+        return {name: scale * d for name, d in _sent_change(instruction, reply, self.schedule).items()}
 
     def prepare(self, message: Message) -> Message:
         return message
@@ -145,8 +174,9 @@ class EstimateUplink:
     round of sparser, rougher estimates). Memory: one float32 model per site.
     """
 
-    def __init__(self, decay: float = 1.0) -> None:
+    def __init__(self, decay: float = 1.0, schedule: RoundBudget | None = None) -> None:
         self.decay = float(decay)  # EstimateFeedback's decay: the sites use the same
+        self.schedule = schedule or RoundBudget()
         self.estimates: dict[int, dict[str, np.ndarray]] = {}
         self._tokens: dict[int, str] = {}
         self._pending: dict[int, dict[str, np.ndarray]] = {}
@@ -170,7 +200,7 @@ class EstimateUplink:
         naming the fault (the estimate held for it is then forgotten)."""
         node = instruction.metadata.dst_node_id
         try:
-            change = _sent_change(instruction, reply)
+            change = _sent_change(instruction, reply, self.schedule)
         except PayloadError:
             self._forget(node)
             raise
