@@ -61,7 +61,7 @@ def forward(msg: Message, context: Context) -> Message:
         return local_app()(msg, context)
     try:
         return relay(msg, context)
-    except channel.Unavailable as why:
+    except (channel.Unavailable, OSError) as why:  # OSError: the folder, the lock, starting the worker
         log(WARNING, "site worker not used, the message is handled in this process: %s", why)
         return local_app()(msg, context)
 
@@ -201,7 +201,8 @@ def start_worker(folder: Path, idle: float) -> subprocess.Popen:
     out = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "fedind.site.worker", "--folder", str(folder), "--idle", repr(idle),
+            # -P: the working folder (the state folder) is not put on sys.path
+            [sys.executable, "-P", "-m", "fedind.site.worker", "--folder", str(folder), "--idle", repr(idle),
              "--owner", str(os.getppid())],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder, env=env,
         )
