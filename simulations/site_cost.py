@@ -152,9 +152,10 @@ def _instrument(spent: dict) -> dict:
 
 
 def _agent_module() -> str:
-    """The site agent's module in the tree imported: fedind.site.app, or fedind.clientapp
-    before the package moves (e.g. at 2ba926a)."""
-    return "fedind.site.app" if importlib.util.find_spec("fedind.site") else "fedind.clientapp"
+    """The site agent's module in the tree imported: fedind.site.app, or the flat
+    ``clientapp.py`` of the package before the package moves (e.g. at 2ba926a)."""
+    old = ".".join(("fedind", "clientapp"))  # a module of older trees only
+    return "fedind.site.app" if importlib.util.find_spec("fedind.site") else old
 
 
 def _worker(args: argparse.Namespace) -> None:
