@@ -116,11 +116,11 @@ def _child(args: argparse.Namespace) -> None:
 
 def _instrument(spent: dict) -> dict:
     """Wrap the agent's stage functions with timers (into ``spent``) and torch's backward
-    (the first call's wall time into the returned dict). They run as always."""
+    (the first call's wall time into the returned dict). They run as always. The agent is
+    imported first: it sets OMP_WAIT_POLICY before torch loads (the worker's case)."""
+    agent = importlib.import_module(_agent_module())
     import torch
     from fedind import training
-
-    agent = importlib.import_module(_agent_module())
 
     def timed(module, name: str, stage: str) -> None:
         inner = getattr(module, name)
