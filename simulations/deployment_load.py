@@ -7,7 +7,7 @@ README's Deployment section: TLS, SuperNode authentication, registered keys), N 
 wall time (round 1 separately: the agents install the app bundle then), the server's
 memory (SuperLink + SuperExec + ServerApp processes: idle before the run, peak during it)
 and the site agents' memory (SuperNode + its SuperExec per agent idle; all agents with
-their ClientApp processes at the peak). Memory is PSS (proportional set size: pages shared
+their ClientApp processes and site workers at the peak). Memory is PSS (proportional set size: pages shared
 between processes, e.g. torch's libraries, are split between them), sampled every 0.5 s.
 
     python simulations/deployment_load.py                      # 5, 10, 20, 25 sites, 2 rounds
@@ -56,8 +56,17 @@ def sample_peak(pids_fn, stop: threading.Event, peak: dict) -> None:
         stop.wait(0.5)
 
 
-def all_pids(procs) -> list[int]:
-    return [pid for p in procs if p.alive() for pid in (p.popen.pid, *descendants(p.popen.pid))]
+def all_pids(procs, state_dirs=()) -> list[int]:
+    """The agents' processes: each SuperNode with its descendants, and the site workers
+    (fedind.site.worker: detached, so found by their pid files in the state dirs)."""
+    pids = [pid for p in procs if p.alive() for pid in (p.popen.pid, *descendants(p.popen.pid))]
+    for folder in state_dirs:
+        try:
+            worker = int((folder / "worker" / "worker.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        pids += [worker] if worker not in pids else []
+    return pids
 
 
 def export_commit(ref: str, folder: Path) -> Path:
@@ -98,7 +107,7 @@ def one_size(n: int, args: argparse.Namespace, work: Path, app: Path = Path(".")
         stop, peak, plant_peak = threading.Event(), {"bytes": server_idle}, {"bytes": 0}
         samplers = [
             threading.Thread(target=sample_peak, args=(plant.server_pids, stop, peak), daemon=True),
-            threading.Thread(target=sample_peak, args=(lambda: all_pids(nodes), stop, plant_peak), daemon=True),
+            threading.Thread(target=sample_peak, args=(lambda: all_pids(nodes, [plant.state_dir(s) for s in sites]), stop, plant_peak), daemon=True),
         ]
         for sampler in samplers:
             sampler.start()
