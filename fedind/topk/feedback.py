@@ -39,7 +39,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .selection import MODES, THRESHOLDS, SparseTensor, budget, quantise, sampled_topk_indices, topk_indices
+from .selection import (
+    ALLOCATIONS, MODES, THRESHOLDS, SparseTensor, allocated_topk, budget, quantise, sampled_topk_indices,
+    topk_indices,
+)
 
 __all__ = ["ErrorFeedback", "EstimateFeedback", "decayed", "estimate_token"]
 
@@ -75,7 +78,10 @@ class ErrorFeedback:
     have the same array names and shapes.
     """
 
-    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0, decay: float = 1.0) -> None:
+    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0, decay: float = 1.0,
+                 allocation: str = "model") -> None:
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"Invalid allocation value: {allocation!r} (expected one of {ALLOCATIONS})")
         if mode not in MODES:
             raise ValueError(f"Invalid mode value: {mode!r} (expected one of {MODES})")
         if threshold not in THRESHOLDS:
@@ -85,6 +91,7 @@ class ErrorFeedback:
         if isinstance(decay, bool) or not (isinstance(decay, (int, float, np.floating)) and 0 <= decay <= 1):
             raise ValueError(f"Invalid decay value: {decay!r} (expected 0 <= decay <= 1)")
         self.mode = mode
+        self.allocation = allocation
         self.decay = float(decay)
         self.threshold = threshold
         self.seed = int(seed)
@@ -136,10 +143,13 @@ class ErrorFeedback:
         k = budget(ratio, total)
         mag = np.abs(flat)
         if self.threshold == "exact":
-            selected = topk_indices(mag, k)
+            select = topk_indices
         else:
             rng = np.random.default_rng([self.seed, self._step])
-            selected = sampled_topk_indices(mag, k, rng)
+
+            def select(m, n):
+                return sampled_topk_indices(m, n, rng)
+        selected = allocated_topk(mag, offsets, k, self.allocation, select)
 
         out: dict[str, SparseTensor] = {}
         bounds = np.searchsorted(selected, offsets)
@@ -253,8 +263,9 @@ class EstimateFeedback:
     i.e. a memoryless top-k compressor).
     """
 
-    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0, decay: float = 1.0) -> None:
-        self._compressor = ErrorFeedback(mode=mode, threshold=threshold, seed=seed, decay=0.0)
+    def __init__(self, mode: str = "int8", threshold: str = "exact", seed: int = 0, decay: float = 1.0,
+                 allocation: str = "model") -> None:
+        self._compressor = ErrorFeedback(mode=mode, threshold=threshold, seed=seed, decay=0.0, allocation=allocation)
         ErrorFeedback(decay=decay)  # validates decay
         self.decay = float(decay)
         self._estimate: dict[str, np.ndarray] = {}

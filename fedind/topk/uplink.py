@@ -39,13 +39,14 @@ REJECTED_PAYLOAD = wire.REJECTED_PAYLOAD  # the code's table: fedind.wire
 def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedback | EstimateFeedback:
     if config.topk_feedback == "estimate":
         feedback = EstimateFeedback(mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed,
-                                    decay=config.topk_estimate_decay)
+                                    decay=config.topk_estimate_decay, allocation=config.topk_allocation)
         if ESTIMATE in context.state:
             estimate = {k: v.numpy() for k, v in context.state[ESTIMATE].items()}
             feedback.load_state_dict({"estimate": estimate, "step": int(context.state[FEEDBACK_STATE]["step"])})
         return feedback
     feedback = ErrorFeedback(
-        mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed, decay=config.topk_residual_decay
+        mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed, decay=config.topk_residual_decay,
+        allocation=config.topk_allocation,
     )
     if RESIDUALS in context.state:
         residuals = {k: v.numpy() for k, v in context.state[RESIDUALS].items()}
