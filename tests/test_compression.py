@@ -30,12 +30,15 @@ from fedind.topk.codec import (
 )
 from fedind.topk.feedback import ErrorFeedback, EstimateFeedback, decayed, estimate_token
 from fedind.topk.selection import (
+    ALLOCATIONS,
     MODES,
     THRESHOLDS,
     SparseTensor,
+    allocated_topk,
     dequantise,
     quantise,
     sampled_topk_indices,
+    tensor_quotas,
     topk_indices,
     warmup_ratio,
 )
@@ -239,6 +242,39 @@ def test_exact_topk_picks_the_k_largest_across_the_model():
     got = set(sparse["a"].indices.tolist()) | {200 + i for i in sparse["b"].indices.tolist()}
     assert got == oracle and len(got) == k
     assert set(range(10)) <= set(sparse["b"].indices.tolist())
+
+
+@given(sizes=st.lists(st.integers(0, 500), min_size=1, max_size=8), k=st.integers(0, 4000))
+def test_tensor_quotas_split_k_by_size_and_sum_to_it(sizes, k):
+    quotas = tensor_quotas(sizes, k)
+    total = sum(sizes)
+    assert int(quotas.sum()) == min(k, total) and np.all(quotas <= np.asarray(sizes)) and np.all(quotas >= 0)
+    if total:
+        assert np.all(np.abs(quotas - np.asarray(sizes) * min(k, total) / total) < 1 + 1e-9)
+
+
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+def test_every_allocation_sends_k_values_and_tensor_shares_reach_every_array(allocation):
+    """"model": the ten largest, all in "b"; "tensor": each array its share by size, its
+    largest; "mixed": half by size, the rest the largest left."""
+    rng = np.random.default_rng(0)
+    update = {"a": rng.standard_normal((40, 5)).astype(np.float32), "b": rng.standard_normal(300).astype(np.float32)}
+    update["b"][:10] *= 100
+    sparse = ErrorFeedback(mode="int8", allocation=allocation).compress(update, 0.05)  # k = 25
+    counts = {name: t.count for name, t in sparse.items()}
+    assert sum(counts.values()) == 25
+    a = np.abs(update["a"]).ravel()
+    if allocation == "model":
+        assert counts["a"] < 10 and set(range(10)) <= set(sparse["b"].indices.tolist())
+    elif allocation == "tensor":
+        assert counts == {"a": 10, "b": 15}
+        assert set(sparse["a"].indices.tolist()) == set(np.argsort(-a)[:10].tolist())
+    else:
+        assert counts["a"] >= 5 and set(range(10)) <= set(sparse["b"].indices.tolist())
+    offsets = np.array([0, 200, 500])
+    flat = np.abs(np.concatenate([update["a"].ravel(), update["b"].ravel()]))
+    assert np.array_equal(allocated_topk(flat, offsets, 25, allocation),
+                          np.sort(np.concatenate([sparse["a"].indices, 200 + sparse["b"].indices])))
 
 
 def test_topk_never_sends_zeros_and_keeps_k_at_least_one():
