@@ -344,6 +344,21 @@ def test_a_site_whose_bias_update_runs_against_its_labels_is_rejected_after_the_
     assert "(site node-6)" in rounds[-1][5].error.reason
 
 
+def test_a_rejected_site_stays_rejected_in_a_round_whose_update_leaves_the_bias_out():
+    """A top-k update that did not select the bias has no alignment (NaN): it is no
+    evidence either way, so it neither moves the record nor lets a banned site back in."""
+    screen = UpdateScreen(num_classes=3, alignment_threshold=-0.4, alignment_warmup=3)
+    _alignment_rounds(screen, 3)  # node 6 rejected from its third round
+    instructions = {node: instruction(node) for node in range(1, 7)}
+    silent = _signed(6, -1.0)
+    silent["head.bias"] = GLOBAL["head.bias"].copy()  # no bias change this round
+    out = screen(instructions, [reply(instructions[n], _signed(n, 1.0)) for n in range(1, 6)]
+                 + [reply(instructions[6], silent)])
+    assert not any(r.has_error() for r in out[:5])
+    assert out[5].has_error() and "no bias change this round" in out[5].error.reason
+    assert screen.alignment.current("node-6")[1] == 3  # the record did not move
+
+
 def test_the_alignment_record_survives_a_resume_through_the_screen_state():
     first = UpdateScreen(num_classes=3, alignment_threshold=-0.4)
     _alignment_rounds(first, 2)

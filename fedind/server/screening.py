@@ -219,6 +219,11 @@ class AlignmentRecord:
         self.decay = float(decay)
         self._sums: dict[str, list[float]] = {}  # site -> [weighted sum, weight, rounds]
 
+    def current(self, site: str) -> tuple[float, int]:
+        """``site``'s ``(mean, rounds)`` as it stands (NaN and 0 before its first round)."""
+        total, weight, rounds = self._sums.get(site, [0.0, 0.0, 0])
+        return (total / weight if weight > 0 else math.nan), rounds
+
     def add(self, site: str, alignment: float) -> tuple[float, int]:
         """Fold one round's alignment into ``site``'s record; return ``(mean, rounds)``."""
         total, weight, rounds = self._sums.get(site, [0.0, 0.0, 0])
@@ -433,22 +438,28 @@ class UpdateScreen:
 
     def _misaligned(self, update) -> str | None:
         """Fold this update's label alignment into its site's record; the rejection reason
-        when the record is below the threshold (None otherwise, and when it has no
-        histogram or the model no ``bias_name``)."""
+        when the record is below the threshold (None otherwise). An update without evidence
+        (no histogram, no ``bias_name`` in the model, or a bias it did not change: a top-k
+        update that left it out) does not move the record, and does not let a rejected
+        site back in: before this, a banned attacker was accepted in every round whose
+        sparse update left the bias out (13 of 40 rounds on seed 5)."""
         histogram, delta = update.histogram, update.delta
-        if histogram is None or self.bias_name not in delta:
-            return None
-        alignment = label_alignment(delta[self.bias_name], histogram)
-        if not math.isfinite(alignment):
-            return None
         site = update.site_id
-        mean, rounds = self.alignment.add(site, alignment)
+        alignment = math.nan
+        if histogram is not None and self.bias_name in delta:
+            alignment = label_alignment(delta[self.bias_name], histogram)
+        if math.isfinite(alignment):
+            mean, rounds = self.alignment.add(site, alignment)
+        else:
+            mean, rounds = self.alignment.current(site)
+        this_round = f"this round {alignment:.2f}" if math.isfinite(alignment) else "no bias change this round"
         if site in self.flagged and self.alignment_release is None:
             return (
                 f"label alignment: rejected for the rest of the run since its record fell below "
-                f"{self.alignment_threshold:g} (decayed mean now {mean:.2f} over {rounds} rounds, this round "
-                f"{alignment:.2f})"
+                f"{self.alignment_threshold:g} (decayed mean now {mean:.2f} over {rounds} rounds, {this_round})"
             )
+        if not math.isfinite(alignment) and site not in self.flagged:
+            return None
         bar = self.alignment_release if site in self.flagged else self.alignment_threshold
         if rounds < self.alignment_warmup or mean >= bar:
             self.flagged.discard(site)
@@ -456,5 +467,5 @@ class UpdateScreen:
         self.flagged.add(site)
         return (
             f"label alignment {mean:.2f} < {bar:g}: its {self.bias_name} update runs against its own label "
-            f"shares (decayed mean over {rounds} rounds, this round {alignment:.2f})"
+            f"shares (decayed mean over {rounds} rounds, {this_round})"
         )
