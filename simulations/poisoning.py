@@ -312,6 +312,7 @@ def class_recall(config, folder: Path) -> list[float | None]:
     from fedind.data.sources import global_test_set, phase_test_set
     from fedind.models import FaultCNN
     from fedind.server.checkpoint import CheckpointStore
+    from fedind.data.format import SiteArrays
     from fedind.training import evaluate
 
     arrays = CheckpointStore(folder / "checkpoints").load_latest().arrays
@@ -320,12 +321,12 @@ def class_recall(config, folder: Path) -> list[float | None]:
         sets = [phase_test_set(config.drift_spec(), config.data_root, q) for q in range(config.phases)]
     else:
         sets = [global_test_set(config.federation_spec(), config.data_root)]
-    from fedind.data.format import SiteArrays
-
-    test = SiteArrays(np.concatenate([t.x for t in sets]), np.concatenate([t.y for t in sets]))
-    confusion = evaluate(model, test, torch.device("cpu")).confusion
+    x, y = np.concatenate([t.x for t in sets]), np.concatenate([t.y for t in sets])
+    known = y < model.head.out_features  # a class the head never grew (its holder kept out) is never recognised
+    confusion = evaluate(model, SiteArrays(x[known], y[known]), torch.device("cpu")).confusion
     totals = confusion.sum(axis=1)
-    return [float(confusion[c, c] / totals[c]) if totals[c] else None for c in range(len(totals))]
+    recall = [float(confusion[c, c] / totals[c]) if totals[c] else None for c in range(len(totals))]
+    return recall + [0.0 if np.any(y == c) else None for c in range(len(totals), int(y.max()) + 1)]
 
 
 # --------------------------------------------------------------------------- the benchmark
