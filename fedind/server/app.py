@@ -115,7 +115,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         schedule = RoundBudget(config.topk_ratio, config.topk_warmup_rounds)
         transform = (EstimateUplink(config.topk_estimate_decay, schedule) if ef21
                      else TopkUplink(config.topk_gain, schedule))
-        screen = UpdateScreen(num_classes, alignment_threshold=alignment)
+        release = config.alignment_release if config.alignment_release <= 1 else None  # None: never let back in
+        screen = UpdateScreen(num_classes, alignment_threshold=alignment, alignment_release=release)
         pipeline = ReplyPipeline(uplink=transform, screen=screen)  # each reply decoded once, then screened
         if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
             spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
