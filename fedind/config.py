@@ -29,7 +29,7 @@ DWA_STRATEGIES = ("fedind", "dwa")
 EWC_ANCHORS = ("phase-end", "global")  # what the EWC penalty holds the kept coordinates near (fedind.continual.ewc)
 YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual.phases)
 COMPRESSIONS = ("none", "topk")
-TOPK_ALLOCATIONS = ("model", "tensor", "mixed")  # fedind.topk.selection.ALLOCATIONS (config imports no numpy)
+TOPK_ALLOCATIONS = ("model", "tensor", "mixed")  # how a top-k budget is shared between arrays (fedind.topk.selection.allocated_topk)
 ENCRYPTIONS = ("none", "paillier")
 PAILLIER_COORDINATES = ("mixed", "change", "random")  # fedind.paillier.sparse.SET_RULES
 

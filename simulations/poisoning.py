@@ -89,6 +89,7 @@ from fedind import wire  # noqa: E402
 from fedind.site.app import site_app  # noqa: E402
 from fedind.server.screening import UpdateScreen, label_alignment  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
+from fedind.topk.selection import topk_indices  # noqa: E402
 
 KINDS = ("scale", "signflip", "bodyflip", "absent", "alie", "ipm", "minmax", "minsum", "labelflip")
 # Attacks whose update is computed from the round's honest updates (colluding, omniscient):
@@ -204,13 +205,13 @@ def attacked_app(attack: Attack, sites: tuple[int, ...]) -> ClientApp:
 def within(update: np.ndarray, limit: int | None) -> np.ndarray:
     """``update`` with only its ``limit`` largest-magnitude values kept (all when ``None``):
     what a site can send when the server holds replies to the round's top-k budget
-    (:class:`fedind.topk.uplink.RoundBudget`)."""
+    (:class:`fedind.topk.uplink.RoundBudget`; the sites' own selection,
+    :func:`fedind.topk.selection.topk_indices`)."""
     if limit is None or limit >= np.count_nonzero(update):
         return update
     kept = np.zeros_like(update)
-    if limit > 0:
-        top = np.argpartition(np.abs(update), update.size - limit)[update.size - limit:]
-        kept[top] = update[top]
+    top = topk_indices(np.abs(update), limit)
+    kept[top] = update[top]
     return kept
 
 

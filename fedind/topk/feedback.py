@@ -11,7 +11,8 @@ an estimate of the site's update that the server keeps too, and sends its sparse
 
 Error feedback
 --------------
-All arrays of an update are treated as one vector (global top-k across the model). With
+All arrays of an update are treated as one vector: the top-k is over the whole model (or
+shared between its arrays, :func:`~fedind.topk.selection.allocated_topk`). With
 residual :math:`r_{t-1}` (zeros at first), update :math:`u_t`, ``k = max(1, round(ratio * N))``
 over the :math:`N` coordinates of the model:
 
@@ -58,7 +59,9 @@ class ErrorFeedback:
         u' = u + \gamma r, \qquad s = Q(\mathrm{top}_k(u')), \qquad r \leftarrow u' - \hat s
 
     with ``k = max(1, round(ratio * N))`` over all ``N`` coordinates of the update taken
-    together (global top-k), ``Q`` the per-tensor quantiser of ``mode`` and :math:`\hat s`
+    together (:func:`~fedind.topk.selection.budget`), chosen by ``allocation``
+    (:func:`~fedind.topk.selection.allocated_topk`; ``"model"``: global top-k), ``Q`` the
+    per-tensor quantiser of ``mode`` and :math:`\hat s`
     its dequantised value, so :math:`\hat s + r_{new} = u + \gamma r_{old}`.
 
     ``threshold="exact"`` selects with argpartition; ``"sampled"`` estimates the k-th

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import TOPK_ALLOCATIONS
+
 __all__ = [
     "ALLOCATIONS",
     "LEVELS",
@@ -41,7 +43,7 @@ __all__ = [
 
 MODES = ("int8", "int4", "sign")
 THRESHOLDS = ("exact", "sampled")
-ALLOCATIONS = ("model", "tensor", "mixed")  # how a site's budget is shared between its arrays: allocated_topk
+ALLOCATIONS = TOPK_ALLOCATIONS  # how a site's budget is shared between its arrays: allocated_topk
 LEVELS = {"int8": 127, "int4": 7}  # linear modes: codes in [-levels, levels]
 U32_MAX = 2**32 - 1
 
@@ -205,8 +207,9 @@ def allocated_topk(magnitudes: np.ndarray, offsets: np.ndarray, k: int, allocati
     Why not always the model's largest: the arrays' update sizes differ by orders of
     magnitude (the classifier's are the largest, the first convolution's the smallest), so
     a global top-k leaves whole arrays unsent round after round; with a decaying residual
-    they never move (measured: the gearbox family's first two convolutions got 0–4 of
-    their 18,432 coordinates a round after the warm-up, and the model stalled at chance).
+    they never move (measured: the gearbox family's first two convolutions got 0–71, mostly
+    under 20, of their 18,432 coordinates a round after the warm-up, and the model stalled
+    at chance; docs/benchmarks/plant.md).
     ``select(magnitudes, k)``: the per-part top-k (:func:`topk_indices` or a sampled one)."""
     if allocation not in ALLOCATIONS:
         raise ValueError(f"Invalid allocation value: {allocation!r} (expected one of {ALLOCATIONS})")
