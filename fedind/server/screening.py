@@ -109,7 +109,7 @@ from .. import wire
 
 __all__ = [
     "REJECTED_UPDATE", "AlignmentRecord", "InvalidUpdate", "UpdateScreen", "check_histogram", "is_real",
-    "clip_factors", "label_alignment", "norm_outliers", "outlier_bounds", "read_metrics", "read_reply",
+    "clip_factors", "consensus_cosines", "label_alignment", "norm_outliers", "outlier_bounds", "read_metrics", "read_reply",
 ]
 
 REJECTED_UPDATE = wire.REJECTED_UPDATE  # the code's table: fedind.wire
@@ -162,6 +162,19 @@ def norm_outliers(
     zero norms and rounds of fewer than 3 positive norms are never flagged)."""
     bound, _ = outlier_bounds(norms, z, min_ratio, max_ratio)
     return np.asarray(norms, dtype=np.float64) > bound
+
+
+def consensus_cosines(deltas: Sequence[np.ndarray]) -> np.ndarray:
+    """Per flat update, its cosine to the round's coordinate-wise median update (0 for an
+    all-zero update or median). The median of ten updates is moved by at most the few
+    attackers among them, so it points where most sites agree; an update that runs
+    against it (cosine below 0) pulls the model away from what the rest of the round
+    teaches."""
+    stacked = np.stack([np.asarray(d, dtype=np.float64).ravel() for d in deltas])
+    middle = np.median(stacked, axis=0)
+    norms = np.linalg.norm(stacked, axis=1) * float(np.linalg.norm(middle))
+    dots = stacked @ middle
+    return np.divide(dots, norms, out=np.zeros(len(deltas)), where=norms > 0)
 
 
 def clip_factors(norms: Sequence[float], ratio: float) -> np.ndarray:
@@ -350,7 +363,7 @@ class UpdateScreen:
                  max_ratio: float = 50.0, norm_rule: bool = True, count_rule: bool = True,
                  clip_ratio: float | None = None, alignment_threshold: float | None = None,
                  alignment_release: float | None = None, alignment_decay: float = 0.9, alignment_warmup: int = 3,
-                 bias_name: str = "head.bias") -> None:
+                 bias_name: str = "head.bias", consensus_threshold: float | None = None) -> None:
         outlier_bounds([1.0, 1.0, 1.0], z, min_ratio, max_ratio)  # validates z and the ratios
         if clip_ratio is not None:
             clip_factors([1.0], clip_ratio)  # validates clip_ratio
@@ -373,6 +386,9 @@ class UpdateScreen:
         self.alignment_warmup = int(alignment_warmup)
         self.bias_name = bias_name
         self.alignment = AlignmentRecord(alignment_decay)
+        if consensus_threshold is not None and not -1 <= consensus_threshold <= 1:
+            raise ValueError(f"Invalid consensus_threshold: {consensus_threshold!r} (expected -1 to 1)")
+        self.consensus_threshold = consensus_threshold
 
     def state_dict(self) -> dict:
         """What the screen learnt across rounds (the sites' label-alignment records)."""
@@ -429,6 +445,12 @@ class UpdateScreen:
                 reason = self._misaligned(updates[i])
                 if reason and i not in reasons:
                     reasons[i] = reason
+        if self.consensus_threshold is not None and len(valid) >= 3:
+            flats = [np.concatenate([np.ravel(updates[i].delta[k]) for k in sorted(updates[i].delta)]) for i, _, _ in valid]
+            for (i, _, _), cosine in zip(valid, consensus_cosines(flats)):
+                if cosine < self.consensus_threshold and i not in reasons:
+                    reasons[i] = (f"update runs against the round's median update (cosine {cosine:.2f} < "
+                                  f"{self.consensus_threshold:g}); this round only")
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
                 factors[i] = min(factor, factors.get(i, 1.0))
