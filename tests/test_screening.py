@@ -13,6 +13,7 @@ from fedind.server.screening import (
     AlignmentRecord,
     UpdateScreen,
     clip_factors,
+    consensus_cosines,
     label_alignment,
     norm_outliers,
     outlier_bounds,
@@ -436,3 +437,40 @@ def _unchanged(out: Message, reply: Message) -> bool:
 class _NoGrid:
     def get_node_ids(self):
         return list(range(1, 7))
+
+
+def test_consensus_cosines_are_each_updates_cosine_to_the_coordinate_wise_median():
+    updates = [np.array([1.0, 0.0, 1.0]), np.array([1.0, 1.0, 0.0]), np.array([1.0, 0.0, 0.0]),
+               np.array([-1.0, 0.0, 0.0]), np.zeros(3)]
+    # median (1, 0, 0): cosines 1/sqrt(2), 1/sqrt(2), 1, -1, and 0 for the all-zero update
+    np.testing.assert_allclose(consensus_cosines(updates), [2**-0.5, 2**-0.5, 1.0, -1.0, 0.0])
+    assert consensus_cosines([np.zeros(2), np.zeros(2), np.ones(2)]).tolist() == [0.0, 0.0, 0.0]
+
+
+def _consensus_round(screen: UpdateScreen, sites: int = 6, reversed_site: int | None = 6) -> list[Message]:
+    """One round of sites moving the same way (plus their own noise); ``reversed_site``
+    sends the reverse of such an update."""
+    instructions = {node: instruction(node) for node in range(1, sites + 1)}
+    replies = []
+    for n in range(1, sites + 1):
+        sign = -1.0 if n == reversed_site else 1.0
+        arrays = {k: (GLOBAL[k] + sign * (0.02 + honest(n)[k] - GLOBAL[k])).astype(np.float32) for k in GLOBAL}
+        replies.append(reply(instructions[n], arrays))
+    return screen(instructions, replies)
+
+
+def test_an_update_against_the_rounds_median_is_rejected_for_that_round_only():
+    screen = UpdateScreen(num_classes=3, consensus_threshold=0.0)
+    out = _consensus_round(screen)
+    assert not any(r.has_error() for r in out[:5])
+    assert out[5].error.code == REJECTED_UPDATE
+    assert "runs against the round's median update" in out[5].error.reason and "this round only" in out[5].error.reason
+    assert not any(r.has_error() for r in _consensus_round(screen, reversed_site=None))  # no ban: judged afresh
+
+
+def test_the_consensus_rule_is_off_by_default_and_needs_three_updates():
+    assert not any(r.has_error() for r in _consensus_round(UpdateScreen(num_classes=3)))
+    assert not any(r.has_error() for r in _consensus_round(UpdateScreen(num_classes=3, consensus_threshold=0.0),
+                                                           sites=2, reversed_site=2))
+    with pytest.raises(ValueError, match="consensus_threshold"):
+        UpdateScreen(num_classes=3, consensus_threshold=1.5)
