@@ -177,6 +177,14 @@ def consensus_cosines(deltas: Sequence[np.ndarray]) -> np.ndarray:
     return np.divide(dots, norms, out=np.zeros(len(deltas)), where=norms > 0)
 
 
+def consensus_factor(cosine: float, threshold: float) -> float:
+    """What an update with this cosine to the round's median update counts for: 1 at a
+    cosine of 0 or more, falling linearly to 0 at ``threshold`` (< 0) and below."""
+    if not -1 <= threshold < 0:
+        raise ValueError(f"Invalid consensus threshold: {threshold!r} (expected -1 <= threshold < 0)")
+    return float(min(1.0, max(0.0, 1.0 - cosine / threshold)))
+
+
 def clip_factors(norms: Sequence[float], ratio: float) -> np.ndarray:
     """Per norm, the factor ``min(1, ratio * median(norms) / norm)`` that scales an update
     down to ``ratio`` times the round's median norm (1 where it is already shorter, and
@@ -386,8 +394,8 @@ class UpdateScreen:
         self.alignment_warmup = int(alignment_warmup)
         self.bias_name = bias_name
         self.alignment = AlignmentRecord(alignment_decay)
-        if consensus_threshold is not None and not -1 <= consensus_threshold <= 1:
-            raise ValueError(f"Invalid consensus_threshold: {consensus_threshold!r} (expected -1 to 1)")
+        if consensus_threshold is not None and not -1 <= consensus_threshold < 0:
+            raise ValueError(f"Invalid consensus_threshold: {consensus_threshold!r} (expected -1 <= threshold < 0)")
         self.consensus_threshold = consensus_threshold
 
     def state_dict(self) -> dict:
@@ -447,10 +455,16 @@ class UpdateScreen:
                     reasons[i] = reason
         if self.consensus_threshold is not None and len(valid) >= 3:
             flats = [np.concatenate([np.ravel(updates[i].delta[k]) for k in sorted(updates[i].delta)]) for i, _, _ in valid]
-            for (i, _, _), cosine in zip(valid, consensus_cosines(flats)):
-                if cosine < self.consensus_threshold and i not in reasons:
-                    reasons[i] = (f"update runs against the round's median update (cosine {cosine:.2f} < "
+            median_norm = float(np.median([entry[1] for entry in valid]))
+            for (i, norm, _), cosine in zip(valid, consensus_cosines(flats)):
+                if cosine >= 0 or i in reasons:
+                    continue
+                factor = consensus_factor(cosine, self.consensus_threshold) * min(1.0, median_norm / norm)
+                if factor <= 0:
+                    reasons[i] = (f"update runs against the round's median update (cosine {cosine:.2f} <= "
                                   f"{self.consensus_threshold:g}); this round only")
+                else:
+                    factors[i] = min(factor, factors.get(i, 1.0))
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
                 factors[i] = min(factor, factors.get(i, 1.0))
