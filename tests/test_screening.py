@@ -14,6 +14,7 @@ from fedind.server.screening import (
     UpdateScreen,
     clip_factors,
     consensus_cosines,
+    consensus_factor,
     label_alignment,
     norm_outliers,
     outlier_bounds,
@@ -460,7 +461,7 @@ def _consensus_round(screen: UpdateScreen, sites: int = 6, reversed_site: int | 
 
 
 def test_an_update_against_the_rounds_median_is_rejected_for_that_round_only():
-    screen = UpdateScreen(num_classes=3, consensus_threshold=0.0)
+    screen = UpdateScreen(num_classes=3, consensus_threshold=-0.2)
     out = _consensus_round(screen)
     assert not any(r.has_error() for r in out[:5])
     assert out[5].error.code == REJECTED_UPDATE
@@ -470,7 +471,36 @@ def test_an_update_against_the_rounds_median_is_rejected_for_that_round_only():
 
 def test_the_consensus_rule_is_off_by_default_and_needs_three_updates():
     assert not any(r.has_error() for r in _consensus_round(UpdateScreen(num_classes=3)))
-    assert not any(r.has_error() for r in _consensus_round(UpdateScreen(num_classes=3, consensus_threshold=0.0),
+    assert not any(r.has_error() for r in _consensus_round(UpdateScreen(num_classes=3, consensus_threshold=-0.2),
                                                            sites=2, reversed_site=2))
-    with pytest.raises(ValueError, match="consensus_threshold"):
-        UpdateScreen(num_classes=3, consensus_threshold=1.5)
+    for bad in (0.0, 0.5, -1.5):
+        with pytest.raises(ValueError, match="consensus_threshold"):
+            UpdateScreen(num_classes=3, consensus_threshold=bad)
+
+
+def test_the_consensus_factor_falls_linearly_to_nothing_at_the_threshold():
+    assert [consensus_factor(c, -0.2) for c in (0.5, 0.0, -0.05, -0.1, -0.2, -0.9)] == pytest.approx(
+        [1.0, 1.0, 0.75, 0.5, 0.0, 0.0])
+
+
+def test_an_update_slightly_against_the_median_is_weighed_down_and_clipped_to_the_median_norm():
+    """Five sites along +1 and a sixth twice as long, a little against them: it is accepted,
+    scaled to the median norm times its consensus factor."""
+    screen = UpdateScreen(num_classes=3, consensus_threshold=-0.5)
+    instructions = {node: instruction(node) for node in range(1, 7)}
+    size = sum(v.size for v in GLOBAL.values())
+    along = {k: np.full(v.shape, 0.01, np.float32) for k, v in GLOBAL.items()}
+    replies = [reply(instructions[n], {k: GLOBAL[k] + along[k] for k in GLOBAL}) for n in range(1, 6)]
+    ones = np.ones(size) / np.sqrt(size)
+    across = np.zeros(size)
+    across[0], across[1] = 1 / np.sqrt(2), -1 / np.sqrt(2)  # orthogonal to the median's direction
+    cosine = -0.1
+    against = 0.2 * (cosine * ones + np.sqrt(1 - cosine**2) * across)  # norm 0.2, 3.8x the median
+    offsets = np.cumsum([GLOBAL[k].size for k in GLOBAL])[:-1]
+    sixth = {k: (GLOBAL[k] + part.reshape(GLOBAL[k].shape)).astype(np.float32)
+             for k, part in zip(GLOBAL, np.split(against, offsets))}
+    out = screen(instructions, replies + [reply(instructions[6], sixth)])
+    assert not any(r.has_error() for r in out)
+    got = {k: np.asarray(out[5].content.array_records["arrays"][k].numpy()) - GLOBAL[k] for k in GLOBAL}
+    norm = np.sqrt(sum(float((d.astype(np.float64) ** 2).sum()) for d in got.values()))
+    assert norm == pytest.approx(0.01 * np.sqrt(size) * (1 - cosine / -0.5), rel=1e-4)
