@@ -409,11 +409,17 @@ def recording_screen(
                 lengths = {node: float(np.linalg.norm(flat)) for node, (_, flat) in norms.items()}
                 median = float(np.median(list(lengths.values())))
                 middle = np.median(np.stack([flat for _, flat in norms.values()]), axis=0)
+                bodies = {node: np.concatenate([d.ravel() for k, d in sorted(u.delta.items()) if not k.startswith("head.")])
+                          for u in updates if u.has_update for node in [u.node_id]}
+                middle_body = np.median(np.stack(list(bodies.values())), axis=0)
                 rejected = {updates[i].node_id for i, v in verdicts.items() if isinstance(v, str)}
                 for node, (site, flat) in sorted(norms.items(), key=lambda kv: kv[1][0]):
                     cosine = float(flat @ middle) / max(lengths[node] * float(np.linalg.norm(middle)), 1e-300)
+                    body = bodies[node]
+                    body_cosine = float(body @ middle_body) / max(float(np.linalg.norm(body) * np.linalg.norm(middle_body)), 1e-300)
                     rows.append({"round": server_round, "site": site, "norm": lengths[node],
                                  "ratio_to_median": lengths[node] / median, "cosine_to_median_update": cosine,
+                                 "body_cosine_to_median_update": body_cosine,
                                  "peer_cosine": peers.get(node, float("nan")),
                                  "peer_cosine_head": peers_head.get(node, float("nan")),
                                  "label_alignment": alignments.get(node, float("nan")),
@@ -446,7 +452,7 @@ def measure(
                 mock.patch.object(fedind.site.app, "load_site_data", load):
             simulate(replace(config, run_dir=str(out / "runs"), run_name=name), client_app=app, runtime=runtime)
         with open(folder / "norms.csv", "w", newline="") as f:
-            fields = ["round", "site", "norm", "ratio_to_median", "cosine_to_median_update", "peer_cosine",
+            fields = ["round", "site", "norm", "ratio_to_median", "cosine_to_median_update", "body_cosine_to_median_update", "peer_cosine",
                       "peer_cosine_head", "label_alignment", "rejected"]
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()

@@ -484,21 +484,21 @@ def test_the_consensus_factor_falls_linearly_to_nothing_at_the_threshold():
 
 
 def test_an_update_slightly_against_the_median_is_weighed_down_and_clipped_to_the_median_norm():
-    """Five sites along +1 and a sixth twice as long, a little against them: it is accepted,
-    scaled to the median norm times its consensus factor."""
+    """Five sites along +1 and a sixth almost four times as long, a little against them: it is
+    accepted, scaled to the median norm times its consensus factor."""
     screen = UpdateScreen(num_classes=3, consensus_threshold=-0.5)
     instructions = {node: instruction(node) for node in range(1, 7)}
     size = sum(v.size for v in GLOBAL.values())
     along = {k: np.full(v.shape, 0.01, np.float32) for k, v in GLOBAL.items()}
     replies = [reply(instructions[n], {k: GLOBAL[k] + along[k] for k in GLOBAL}) for n in range(1, 6)]
-    ones = np.ones(size) / np.sqrt(size)
-    across = np.zeros(size)
+    body = GLOBAL["conv.weight"].size  # the rule reads every array but the head
+    ones = np.ones(body) / np.sqrt(body)
+    across = np.zeros(body)
     across[0], across[1] = 1 / np.sqrt(2), -1 / np.sqrt(2)  # orthogonal to the median's direction
     cosine = -0.1
     against = 0.2 * (cosine * ones + np.sqrt(1 - cosine**2) * across)  # norm 0.2, 3.8x the median
-    offsets = np.cumsum([GLOBAL[k].size for k in GLOBAL])[:-1]
-    sixth = {k: (GLOBAL[k] + part.reshape(GLOBAL[k].shape)).astype(np.float32)
-             for k, part in zip(GLOBAL, np.split(against, offsets))}
+    sixth = {"conv.weight": (GLOBAL["conv.weight"] + against.reshape(GLOBAL["conv.weight"].shape)).astype(np.float32),
+             "head.bias": GLOBAL["head.bias"].copy()}
     out = screen(instructions, replies + [reply(instructions[6], sixth)])
     assert not any(r.has_error() for r in out)
     got = {k: np.asarray(out[5].content.array_records["arrays"][k].numpy()) - GLOBAL[k] for k in GLOBAL}

@@ -454,7 +454,7 @@ class UpdateScreen:
                 if reason and i not in reasons:
                     reasons[i] = reason
         if self.consensus_threshold is not None and len(valid) >= 3:
-            flats = [np.concatenate([np.ravel(updates[i].delta[k]) for k in sorted(updates[i].delta)]) for i, _, _ in valid]
+            flats = [self._body(updates[i].delta) for i, _, _ in valid]
             median_norm = float(np.median([entry[1] for entry in valid]))
             for (i, norm, _), cosine in zip(valid, consensus_cosines(flats)):
                 if cosine >= 0 or i in reasons:
@@ -471,6 +471,14 @@ class UpdateScreen:
         verdicts: dict[int, str | float] = {i: f for i, f in factors.items() if f < 1.0}
         verdicts.update(reasons)
         return verdicts
+
+    def _body(self, delta: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The update of every array but the classifier's (``bias_name``'s module), flat: the
+        consensus rule reads the features, which the lines share, not the head, whose rows
+        Non-IID lines legitimately pull apart (each towards its own classes)."""
+        head = self.bias_name.rpartition(".")[0] + "."
+        names = sorted(k for k in delta if not k.startswith(head)) or sorted(delta)
+        return np.concatenate([np.ravel(delta[k]) for k in names])
 
     def _misaligned(self, update) -> str | None:
         """Fold this update's label alignment into its site's record; the rejection reason
