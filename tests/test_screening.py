@@ -460,13 +460,22 @@ def _consensus_round(screen: UpdateScreen, sites: int = 6, reversed_site: int | 
     return screen(instructions, replies)
 
 
-def test_an_update_against_the_rounds_median_is_rejected_for_that_round_only():
+def test_a_site_that_keeps_running_against_the_median_is_rejected_until_its_record_recovers():
+    """From its third round on (the warm-up) a site whose decayed mean cosine is at the
+    threshold is rejected for the round; it is judged afresh every round, and back once
+    its record is (β = 0.8: two rounds along the rest after three against)."""
     screen = UpdateScreen(num_classes=3, consensus_threshold=-0.2)
-    out = _consensus_round(screen)
-    assert not any(r.has_error() for r in out[:5])
-    assert out[5].error.code == REJECTED_UPDATE
-    assert "runs against the round's median update" in out[5].error.reason and "this round only" in out[5].error.reason
-    assert not any(r.has_error() for r in _consensus_round(screen, reversed_site=None))  # no ban: judged afresh
+    outs = [_consensus_round(screen) for _ in range(3)]
+    assert not any(r.has_error() for out in outs for r in out[:5])
+    assert [out[5].has_error() for out in outs] == [False, False, True]
+    reason = outs[2][5].error.reason
+    assert outs[2][5].error.code == REJECTED_UPDATE and "runs against the rounds' median updates" in reason
+    assert "re-examined every round" in reason and "(site node-6)" in reason
+    later = [_consensus_round(screen, reversed_site=None) for _ in range(2)]
+    assert [out[5].has_error() for out in later] == [True, False]
+    resumed = UpdateScreen(num_classes=3, consensus_threshold=-0.2)
+    resumed.load_state_dict(screen.state_dict())
+    assert resumed.consensus.current("node-6") == screen.consensus.current("node-6")
 
 
 def test_the_consensus_rule_is_off_by_default_and_needs_three_updates():
@@ -484,8 +493,9 @@ def test_the_consensus_factor_falls_linearly_to_nothing_at_the_threshold():
 
 
 def test_an_update_slightly_against_the_median_is_weighed_down_and_clipped_to_the_median_norm():
-    """Five sites along +1 and a sixth almost four times as long, a little against them: it is
-    accepted, scaled to the median norm times its consensus factor."""
+    """Five sites along +1 and a sixth almost four times as long, a little against them
+    round after round: it is accepted, scaled to the median norm times the consensus
+    factor of its decayed mean."""
     screen = UpdateScreen(num_classes=3, consensus_threshold=-0.5)
     instructions = {node: instruction(node) for node in range(1, 7)}
     size = sum(v.size for v in GLOBAL.values())
@@ -499,7 +509,8 @@ def test_an_update_slightly_against_the_median_is_weighed_down_and_clipped_to_th
     against = 0.2 * (cosine * ones + np.sqrt(1 - cosine**2) * across)  # norm 0.2, 3.8x the median
     sixth = {"conv.weight": (GLOBAL["conv.weight"] + against.reshape(GLOBAL["conv.weight"].shape)).astype(np.float32),
              "head.bias": GLOBAL["head.bias"].copy()}
-    out = screen(instructions, replies + [reply(instructions[6], sixth)])
+    for _ in range(3):  # the rule acts from a site's third round
+        out = screen(instructions, replies + [reply(instructions[6], sixth)])
     assert not any(r.has_error() for r in out)
     got = {k: np.asarray(out[5].content.array_records["arrays"][k].numpy()) - GLOBAL[k] for k in GLOBAL}
     norm = np.sqrt(sum(float((d.astype(np.float64) ** 2).sum()) for d in got.values()))

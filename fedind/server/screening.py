@@ -230,8 +230,8 @@ def _centred(x: np.ndarray) -> np.ndarray | None:
 
 
 class AlignmentRecord:
-    r"""Per site, the decayed mean of its :func:`label_alignment` over the rounds it sent
-    one: :math:`A = \sum_t \beta^{T-t} a_t / \sum_t \beta^{T-t}` (``decay`` β), with the
+    r"""Per site, the decayed mean of a per-round statistic (its :func:`label_alignment`, or
+    its body's cosine to the round's median update) over the rounds it had one: :math:`A = \sum_t \beta^{T-t} a_t / \sum_t \beta^{T-t}` (``decay`` β), with the
     number of rounds seen. JSON-able state for the server checkpoint."""
 
     def __init__(self, decay: float = 0.9) -> None:
@@ -371,7 +371,8 @@ class UpdateScreen:
                  max_ratio: float = 50.0, norm_rule: bool = True, count_rule: bool = True,
                  clip_ratio: float | None = None, alignment_threshold: float | None = None,
                  alignment_release: float | None = None, alignment_decay: float = 0.9, alignment_warmup: int = 3,
-                 bias_name: str = "head.bias", consensus_threshold: float | None = None) -> None:
+                 bias_name: str = "head.bias", consensus_threshold: float | None = None,
+                 consensus_decay: float = 0.8) -> None:
         outlier_bounds([1.0, 1.0, 1.0], z, min_ratio, max_ratio)  # validates z and the ratios
         if clip_ratio is not None:
             clip_factors([1.0], clip_ratio)  # validates clip_ratio
@@ -397,14 +398,17 @@ class UpdateScreen:
         if consensus_threshold is not None and not -1 <= consensus_threshold < 0:
             raise ValueError(f"Invalid consensus_threshold: {consensus_threshold!r} (expected -1 <= threshold < 0)")
         self.consensus_threshold = consensus_threshold
+        self.consensus = AlignmentRecord(consensus_decay)
 
     def state_dict(self) -> dict:
         """What the screen learnt across rounds (the sites' label-alignment records)."""
-        return {"alignment": self.alignment.state_dict(), "flagged": sorted(self.flagged)}
+        return {"alignment": self.alignment.state_dict(), "flagged": sorted(self.flagged),
+                "consensus": self.consensus.state_dict()}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.alignment.load_state_dict(state["alignment"])
         self.flagged = {str(site) for site in state["flagged"]}
+        self.consensus.load_state_dict(state.get("consensus", {}))  # absent in checkpoints before the rule
 
     def grow_classes(self, num_classes: int) -> None:
         """The head grew: a valid label histogram has ``num_classes`` counts."""
@@ -457,12 +461,14 @@ class UpdateScreen:
             flats = [self._body(updates[i].delta) for i, _, _ in valid]
             median_norm = float(np.median([entry[1] for entry in valid]))
             for (i, norm, _), cosine in zip(valid, consensus_cosines(flats)):
-                if cosine >= 0 or i in reasons:
+                mean, rounds = self.consensus.add(updates[i].site_id, float(cosine))
+                if mean >= 0 or rounds < self.alignment_warmup or i in reasons:
                     continue
-                factor = consensus_factor(cosine, self.consensus_threshold) * min(1.0, median_norm / norm)
+                factor = consensus_factor(mean, self.consensus_threshold) * min(1.0, median_norm / norm)
                 if factor <= 0:
-                    reasons[i] = (f"update runs against the round's median update (cosine {cosine:.2f} <= "
-                                  f"{self.consensus_threshold:g}); this round only")
+                    reasons[i] = (f"update runs against the rounds' median updates (decayed mean cosine {mean:.2f} "
+                                  f"<= {self.consensus_threshold:g} over {rounds} rounds, this round {cosine:.2f}); "
+                                  "re-examined every round")
                 else:
                     factors[i] = min(factor, factors.get(i, 1.0))
         if self.clip_ratio is not None and valid:
