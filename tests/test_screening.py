@@ -13,8 +13,6 @@ from fedind.server.screening import (
     AlignmentRecord,
     UpdateScreen,
     clip_factors,
-    consensus_cosines,
-    consensus_factor,
     label_alignment,
     norm_outliers,
     outlier_bounds,
@@ -438,80 +436,3 @@ def _unchanged(out: Message, reply: Message) -> bool:
 class _NoGrid:
     def get_node_ids(self):
         return list(range(1, 7))
-
-
-def test_consensus_cosines_are_each_updates_cosine_to_the_coordinate_wise_median():
-    updates = [np.array([1.0, 0.0, 1.0]), np.array([1.0, 1.0, 0.0]), np.array([1.0, 0.0, 0.0]),
-               np.array([-1.0, 0.0, 0.0]), np.zeros(3)]
-    # median (1, 0, 0): cosines 1/sqrt(2), 1/sqrt(2), 1, -1, and 0 for the all-zero update
-    np.testing.assert_allclose(consensus_cosines(updates), [2**-0.5, 2**-0.5, 1.0, -1.0, 0.0])
-    assert consensus_cosines([np.zeros(2), np.zeros(2), np.ones(2)]).tolist() == [0.0, 0.0, 0.0]
-
-
-def _consensus_round(screen: UpdateScreen, sites: int = 6, reversed_site: int | None = 6) -> list[Message]:
-    """One round of sites moving the same way (plus their own noise); ``reversed_site``
-    sends the reverse of such an update."""
-    instructions = {node: instruction(node) for node in range(1, sites + 1)}
-    replies = []
-    for n in range(1, sites + 1):
-        sign = -1.0 if n == reversed_site else 1.0
-        arrays = {k: (GLOBAL[k] + sign * (0.02 + honest(n)[k] - GLOBAL[k])).astype(np.float32) for k in GLOBAL}
-        replies.append(reply(instructions[n], arrays))
-    return screen(instructions, replies)
-
-
-def test_a_site_that_keeps_running_against_the_median_is_rejected_until_its_record_recovers():
-    """From its third round on (the warm-up) a site whose decayed mean cosine is at the
-    threshold is rejected for the round; it is judged afresh every round, and back once
-    its record is (β = 0.8: two rounds along the rest after three against)."""
-    screen = UpdateScreen(num_classes=3, consensus_threshold=-0.2)
-    outs = [_consensus_round(screen) for _ in range(3)]
-    assert not any(r.has_error() for out in outs for r in out[:5])
-    assert [out[5].has_error() for out in outs] == [False, False, True]
-    reason = outs[2][5].error.reason
-    assert outs[2][5].error.code == REJECTED_UPDATE and "runs against the rounds' median updates" in reason
-    assert "re-examined every round" in reason and "(site node-6)" in reason
-    later = [_consensus_round(screen, reversed_site=None) for _ in range(2)]
-    assert [out[5].has_error() for out in later] == [True, False]
-    resumed = UpdateScreen(num_classes=3, consensus_threshold=-0.2)
-    resumed.load_state_dict(screen.state_dict())
-    assert resumed.consensus.current("node-6") == screen.consensus.current("node-6")
-
-
-def test_the_consensus_rule_is_off_by_default_and_needs_three_updates():
-    assert not any(r.has_error() for r in _consensus_round(UpdateScreen(num_classes=3)))
-    assert not any(r.has_error() for r in _consensus_round(UpdateScreen(num_classes=3, consensus_threshold=-0.2),
-                                                           sites=2, reversed_site=2))
-    for bad in (0.0, 0.5, -1.5):
-        with pytest.raises(ValueError, match="consensus_threshold"):
-            UpdateScreen(num_classes=3, consensus_threshold=bad)
-
-
-def test_the_consensus_factor_falls_linearly_to_nothing_at_the_threshold():
-    assert [consensus_factor(c, -0.2) for c in (0.5, 0.0, -0.05, -0.1, -0.2, -0.9)] == pytest.approx(
-        [1.0, 1.0, 0.75, 0.5, 0.0, 0.0])
-
-
-def test_an_update_slightly_against_the_median_is_weighed_down_and_clipped_to_the_median_norm():
-    """Five sites along +1 and a sixth almost four times as long, a little against them
-    round after round: it is accepted, scaled to the median norm times the consensus
-    factor of its decayed mean."""
-    screen = UpdateScreen(num_classes=3, consensus_threshold=-0.5)
-    instructions = {node: instruction(node) for node in range(1, 7)}
-    size = sum(v.size for v in GLOBAL.values())
-    along = {k: np.full(v.shape, 0.01, np.float32) for k, v in GLOBAL.items()}
-    replies = [reply(instructions[n], {k: GLOBAL[k] + along[k] for k in GLOBAL}) for n in range(1, 6)]
-    body = GLOBAL["conv.weight"].size  # the rule reads every array but the head
-    ones = np.ones(body) / np.sqrt(body)
-    across = np.zeros(body)
-    across[0], across[1] = 1 / np.sqrt(2), -1 / np.sqrt(2)  # orthogonal to the median's direction
-    cosine = -0.1
-    against = 0.2 * (cosine * ones + np.sqrt(1 - cosine**2) * across)  # norm 0.2, 3.8x the median
-    sixth = {"conv.weight": (GLOBAL["conv.weight"] + against.reshape(GLOBAL["conv.weight"].shape)).astype(np.float32),
-             "head.bias": GLOBAL["head.bias"].copy()}
-    for _ in range(3):  # the rule acts from a site's third round
-        out = screen(instructions, replies + [reply(instructions[6], sixth)])
-    assert not any(r.has_error() for r in out)
-    got = {k: np.asarray(out[5].content.array_records["arrays"][k].numpy()) - GLOBAL[k] for k in GLOBAL}
-    norm = np.sqrt(sum(float((d.astype(np.float64) ** 2).sum()) for d in got.values()))
-    assert norm == pytest.approx(0.01 * np.sqrt(size) * (1 - cosine / -0.5), rel=1e-4)

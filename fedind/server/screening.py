@@ -109,7 +109,7 @@ from .. import wire
 
 __all__ = [
     "REJECTED_UPDATE", "AlignmentRecord", "InvalidUpdate", "UpdateScreen", "check_histogram", "is_real",
-    "clip_factors", "consensus_cosines", "label_alignment", "norm_outliers", "outlier_bounds", "read_metrics", "read_reply",
+    "clip_factors", "label_alignment", "norm_outliers", "outlier_bounds", "read_metrics", "read_reply",
 ]
 
 REJECTED_UPDATE = wire.REJECTED_UPDATE  # the code's table: fedind.wire
@@ -164,27 +164,6 @@ def norm_outliers(
     return np.asarray(norms, dtype=np.float64) > bound
 
 
-def consensus_cosines(deltas: Sequence[np.ndarray]) -> np.ndarray:
-    """Per flat update, its cosine to the round's coordinate-wise median update (0 for an
-    all-zero update or median). The median of ten updates is moved by at most the few
-    attackers among them, so it points where most sites agree; an update that runs
-    against it (cosine below 0) pulls the model away from what the rest of the round
-    teaches."""
-    stacked = np.stack([np.asarray(d, dtype=np.float64).ravel() for d in deltas])
-    middle = np.median(stacked, axis=0)
-    norms = np.linalg.norm(stacked, axis=1) * float(np.linalg.norm(middle))
-    dots = stacked @ middle
-    return np.divide(dots, norms, out=np.zeros(len(deltas)), where=norms > 0)
-
-
-def consensus_factor(cosine: float, threshold: float) -> float:
-    """What an update with this cosine to the round's median update counts for: 1 at a
-    cosine of 0 or more, falling linearly to 0 at ``threshold`` (< 0) and below."""
-    if not -1 <= threshold < 0:
-        raise ValueError(f"Invalid consensus threshold: {threshold!r} (expected -1 <= threshold < 0)")
-    return float(min(1.0, max(0.0, 1.0 - cosine / threshold)))
-
-
 def clip_factors(norms: Sequence[float], ratio: float) -> np.ndarray:
     """Per norm, the factor ``min(1, ratio * median(norms) / norm)`` that scales an update
     down to ``ratio`` times the round's median norm (1 where it is already shorter, and
@@ -230,8 +209,8 @@ def _centred(x: np.ndarray) -> np.ndarray | None:
 
 
 class AlignmentRecord:
-    r"""Per site, the decayed mean of a per-round statistic (its :func:`label_alignment`, or
-    its body's cosine to the round's median update) over the rounds it had one: :math:`A = \sum_t \beta^{T-t} a_t / \sum_t \beta^{T-t}` (``decay`` β), with the
+    r"""Per site, the decayed mean of its :func:`label_alignment` over the rounds it sent
+    one: :math:`A = \sum_t \beta^{T-t} a_t / \sum_t \beta^{T-t}` (``decay`` β), with the
     number of rounds seen. JSON-able state for the server checkpoint."""
 
     def __init__(self, decay: float = 0.9) -> None:
@@ -371,8 +350,7 @@ class UpdateScreen:
                  max_ratio: float = 50.0, norm_rule: bool = True, count_rule: bool = True,
                  clip_ratio: float | None = None, alignment_threshold: float | None = None,
                  alignment_release: float | None = None, alignment_decay: float = 0.9, alignment_warmup: int = 3,
-                 bias_name: str = "head.bias", consensus_threshold: float | None = None,
-                 consensus_decay: float = 0.8) -> None:
+                 bias_name: str = "head.bias") -> None:
         outlier_bounds([1.0, 1.0, 1.0], z, min_ratio, max_ratio)  # validates z and the ratios
         if clip_ratio is not None:
             clip_factors([1.0], clip_ratio)  # validates clip_ratio
@@ -395,20 +373,14 @@ class UpdateScreen:
         self.alignment_warmup = int(alignment_warmup)
         self.bias_name = bias_name
         self.alignment = AlignmentRecord(alignment_decay)
-        if consensus_threshold is not None and not -1 <= consensus_threshold < 0:
-            raise ValueError(f"Invalid consensus_threshold: {consensus_threshold!r} (expected -1 <= threshold < 0)")
-        self.consensus_threshold = consensus_threshold
-        self.consensus = AlignmentRecord(consensus_decay)
 
     def state_dict(self) -> dict:
         """What the screen learnt across rounds (the sites' label-alignment records)."""
-        return {"alignment": self.alignment.state_dict(), "flagged": sorted(self.flagged),
-                "consensus": self.consensus.state_dict()}
+        return {"alignment": self.alignment.state_dict(), "flagged": sorted(self.flagged)}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.alignment.load_state_dict(state["alignment"])
         self.flagged = {str(site) for site in state["flagged"]}
-        self.consensus.load_state_dict(state.get("consensus", {}))  # absent in checkpoints before the rule
 
     def grow_classes(self, num_classes: int) -> None:
         """The head grew: a valid label histogram has ``num_classes`` counts."""
@@ -457,34 +429,12 @@ class UpdateScreen:
                 reason = self._misaligned(updates[i])
                 if reason and i not in reasons:
                     reasons[i] = reason
-        if self.consensus_threshold is not None and len(valid) >= 3:
-            flats = [self._body(updates[i].delta) for i, _, _ in valid]
-            median_norm = float(np.median([entry[1] for entry in valid]))
-            for (i, norm, _), cosine in zip(valid, consensus_cosines(flats)):
-                mean, rounds = self.consensus.add(updates[i].site_id, float(cosine))
-                if mean >= 0 or rounds < self.alignment_warmup or i in reasons:
-                    continue
-                factor = consensus_factor(mean, self.consensus_threshold) * min(1.0, median_norm / norm)
-                if factor <= 0:
-                    reasons[i] = (f"update runs against the rounds' median updates (decayed mean cosine {mean:.2f} "
-                                  f"<= {self.consensus_threshold:g} over {rounds} rounds, this round {cosine:.2f}); "
-                                  "re-examined every round")
-                else:
-                    factors[i] = min(factor, factors.get(i, 1.0))
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
                 factors[i] = min(factor, factors.get(i, 1.0))
         verdicts: dict[int, str | float] = {i: f for i, f in factors.items() if f < 1.0}
         verdicts.update(reasons)
         return verdicts
-
-    def _body(self, delta: Mapping[str, np.ndarray]) -> np.ndarray:
-        """The update of every array but the classifier's (``bias_name``'s module), flat: the
-        consensus rule reads the features, which the lines share, not the head, whose rows
-        Non-IID lines legitimately pull apart (each towards its own classes)."""
-        head = self.bias_name.rpartition(".")[0] + "."
-        names = sorted(k for k in delta if not k.startswith(head)) or sorted(delta)
-        return np.concatenate([np.ravel(delta[k]) for k in names])
 
     def _misaligned(self, update) -> str | None:
         """Fold this update's label alignment into its site's record; the rejection reason
