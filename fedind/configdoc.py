@@ -54,6 +54,7 @@ PAGES: tuple[tuple[str, str], ...] = (
     ("restart-agreement", "dwa.md"),
     ("cclip-", "screening.md"),
     ("alignment-threshold", "screening.md"),
+    ("consensus-threshold", "screening.md"),
     ("compression", "compression.md"),
     ("topk-", "compression.md"),
     ("downlink", "compression.md"),

@@ -72,7 +72,7 @@ PARTS = {
     "downlink": ({"downlink": "none"}, {"downlink": "topk"}),
     "replay": ({"replay_samples": 0}, {"replay_samples": None}),  # None: the recipe's value
     "EWC": ({"ewc_lambda": 0.0}, {"ewc_lambda": None}),
-    "screen": ({"alignment_threshold": -1.0}, {}),  # the screen is on in every variant but this
+    "screen": ({"alignment_threshold": -1.0, "consensus_threshold": -1.0}, {}),  # the screen's rules across rounds are on in every variant but this
 }
 VARIANTS: dict[str, dict] = {
     **BUILTINS,

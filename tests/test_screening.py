@@ -13,6 +13,7 @@ from fedind.server.screening import (
     AlignmentRecord,
     UpdateScreen,
     clip_factors,
+    consensus_cosines,
     label_alignment,
     norm_outliers,
     outlier_bounds,
@@ -436,3 +437,51 @@ def _unchanged(out: Message, reply: Message) -> bool:
 class _NoGrid:
     def get_node_ids(self):
         return list(range(1, 7))
+
+
+def test_consensus_cosines_are_each_updates_cosine_to_the_coordinate_wise_median():
+    updates = [np.array([1.0, 0.0, 1.0]), np.array([1.0, 1.0, 0.0]), np.array([1.0, 0.0, 0.0]),
+               np.array([-1.0, 0.0, 0.0]), np.zeros(3)]
+    # median (1, 0, 0): cosines 1/sqrt(2), 1/sqrt(2), 1, -1, and 0 for the all-zero update
+    np.testing.assert_allclose(consensus_cosines(updates), [2**-0.5, 2**-0.5, 1.0, -1.0, 0.0])
+    assert consensus_cosines([np.zeros(2), np.zeros(2), np.ones(2)]).tolist() == [0.0, 0.0, 0.0]
+
+
+def _consensus_round(screen: UpdateScreen, sites: int = 6, reversed_site: int | None = 6) -> list[Message]:
+    """One round of sites moving the same way (plus their own noise); ``reversed_site``
+    sends the reverse of such an update (cosine about -0.9 to the round's median)."""
+    instructions = {node: instruction(node) for node in range(1, sites + 1)}
+    replies = []
+    for n in range(1, sites + 1):
+        sign = -1.0 if n == reversed_site else 1.0
+        arrays = {k: (GLOBAL[k] + sign * (0.02 + honest(n)[k] - GLOBAL[k])).astype(np.float32) for k in GLOBAL}
+        replies.append(reply(instructions[n], arrays))
+    return screen(instructions, replies)
+
+
+def test_a_site_that_keeps_running_against_the_median_is_rejected_until_its_record_recovers():
+    """From its third round on (the warm-up) a site whose decayed mean cosine is below the
+    threshold is rejected for the round; it is judged again every round, and back once its
+    record is (β = 0.9: two rounds along the rest after three against)."""
+    screen = UpdateScreen(num_classes=3, consensus_threshold=-0.25)
+    outs = [_consensus_round(screen) for _ in range(3)]
+    assert not any(r.has_error() for out in outs for r in out[:5])
+    assert [out[5].has_error() for out in outs] == [False, False, True]
+    reason = outs[2][5].error.reason
+    assert outs[2][5].error.code == REJECTED_UPDATE and "runs against the round's median update" in reason
+    assert "judged again every round" in reason and "(site node-6)" in reason
+    later = [_consensus_round(screen, reversed_site=None) for _ in range(2)]
+    assert [out[5].has_error() for out in later] == [True, False]
+    resumed = UpdateScreen(num_classes=3, consensus_threshold=-0.25)
+    resumed.load_state_dict(screen.state_dict())
+    assert resumed.consensus.current("node-6") == screen.consensus.current("node-6")
+
+
+def test_the_consensus_rule_is_off_without_a_threshold_and_needs_three_updates():
+    screen = UpdateScreen(num_classes=3)
+    assert not any(r.has_error() for _ in range(4) for r in _consensus_round(screen))
+    two = UpdateScreen(num_classes=3, consensus_threshold=-0.25)
+    assert not any(r.has_error() for _ in range(4) for r in _consensus_round(two, sites=2, reversed_site=2))
+    for bad in (0.0, 0.5, -1.5):
+        with pytest.raises(ValueError, match="consensus_threshold"):
+            UpdateScreen(num_classes=3, consensus_threshold=bad)

@@ -116,7 +116,9 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         transform = (EstimateUplink(config.topk_estimate_decay, schedule) if ef21
                      else TopkUplink(config.topk_gain, schedule))
         release = config.alignment_release if config.alignment_release <= 1 else None  # None: never let back in
-        screen = UpdateScreen(num_classes, alignment_threshold=alignment, alignment_release=release)
+        consensus = None if config.consensus_threshold <= -1 else config.consensus_threshold
+        screen = UpdateScreen(num_classes, alignment_threshold=alignment, alignment_release=release,
+                              consensus_threshold=consensus)
         pipeline = ReplyPipeline(uplink=transform, screen=screen)  # each reply decoded once, then screened
         if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
             spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
