@@ -29,7 +29,7 @@ DWA_STRATEGIES = ("fedind", "dwa")
 EWC_ANCHORS = ("phase-end", "global")  # what the EWC penalty holds the kept coordinates near (fedind.continual.ewc)
 YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual.phases)
 COMPRESSIONS = ("none", "topk")
-TOPK_ALLOCATIONS = ("model", "tensor", "mixed", "normalised")  # how a top-k budget is shared between arrays (fedind.topk.selection.allocated_topk)
+TOPK_ALLOCATIONS = ("model", "tensor", "mixed")  # how a top-k budget is shared between arrays (fedind.topk.selection.allocated_topk)
 ENCRYPTIONS = ("none", "paillier")
 PAILLIER_COORDINATES = ("mixed", "change", "random")  # fedind.paillier.sparse.SET_RULES
 
@@ -84,7 +84,7 @@ class RunConfig:
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
     topk_quantization: str = "int4"  # topk: int8 | int4 (linear, per-tensor scale) | sign (1 bit + scale)
     topk_threshold: str = "exact"  # topk: exact top-k | sampled (DGC-style threshold estimate)
-    topk_allocation: str = "model"  # topk: how the budget is shared between arrays: model (the largest over the whole model) | tensor (each array its share by size, as DGC) | mixed (half each way) | normalised (the largest relative to their array's RMS)
+    topk_allocation: str = "model"  # topk: how the budget is shared between arrays: model (the largest over the whole model) | tensor (each array its share by size, as DGC) | mixed (half each way)
     topk_feedback: str = "residual"  # topk: residual (classic error feedback) | estimate (EF21: server keeps each site's update estimate)
     topk_residual_decay: float = 0.8  # topk, residual: share of the error-feedback residual carried to the next round
     topk_gain: float = 1.5  # topk, residual: the server scales each decoded sparse delta by this (not with estimate)

@@ -202,12 +202,7 @@ def allocated_topk(magnitudes: np.ndarray, offsets: np.ndarray, k: int, allocati
     - ``"tensor"``: each array its share of ``k`` in proportion to its size
       (:func:`tensor_quotas`), its largest values (layer-wise top-k, as DGC selects);
     - ``"mixed"``: half of ``k`` as ``"tensor"``, the other half the largest of the rest
-      over the whole model;
-    - ``"normalised"``: the ``k`` largest over the whole model of each magnitude divided by
-      its array's root mean square: every array competes on how far a value stands out of
-      its own array, so an array of uniformly small updates still gets about its share,
-      and an array whose update is concentrated (the classifier's rows of the classes a
-      line holds) gets more.
+      over the whole model.
 
     Why not always the model's largest: the arrays' update sizes differ by orders of
     magnitude (the classifier's are the largest, the first convolution's the smallest), so
@@ -221,8 +216,6 @@ def allocated_topk(magnitudes: np.ndarray, offsets: np.ndarray, k: int, allocati
     mag = np.asarray(magnitudes).ravel()
     if allocation == "model":
         return select(mag, k)
-    if allocation == "normalised":
-        return select(_relative_magnitudes(mag, offsets), k)
     own = k if allocation == "tensor" else k // 2
     quotas = tensor_quotas(np.diff(offsets), own)
     parts = [select(mag[lo:hi], int(q)) + lo for lo, hi, q in zip(offsets[:-1], offsets[1:], quotas) if q > 0]
@@ -233,18 +226,6 @@ def allocated_topk(magnitudes: np.ndarray, offsets: np.ndarray, k: int, allocati
         others[chosen] = 0
         chosen = np.concatenate([chosen, select(others, rest)])
     return np.unique(chosen).astype(np.int64, copy=False)
-
-
-def _relative_magnitudes(magnitudes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Each array's ``magnitudes`` divided by their root mean square (an all-zero array
-    stays zero)."""
-    out = np.zeros(magnitudes.size, dtype=np.float64)
-    for lo, hi in zip(offsets[:-1], offsets[1:]):
-        part = magnitudes[lo:hi].astype(np.float64)
-        rms = math.sqrt(float(np.dot(part, part)) / max(1, part.size))
-        if rms > 0:
-            out[lo:hi] = part / rms
-    return out
 
 
 def warmup_ratio(ratio: float, server_round: int, warmup_rounds: int) -> float:
