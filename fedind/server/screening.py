@@ -91,7 +91,7 @@ for every strategy — Flower's or fedind's):
    site's update to the round's coordinate-wise median update, decayed as rule 5 (β = 0.9,
    from the site's third round). A site whose mean is below the threshold is rejected for
    that round and judged again the next: no ban. Non-IID lines pull apart for stretches
-   (single rounds down to -0.47), but no honest line's decayed mean went below -0.19 in the
+   (single rounds down to -0.44), but no honest line's decayed mean went below -0.19 in the
    poisoning benchmark's recorded runs, while an inner-product-manipulation attacker (which
    sends the reverse of the honest mean) sits at -0.5 to -0.66. It does not see a reversed
    body (about -0.1 to -0.3, within reach of honest lines) nor attacks built to stay inside
