@@ -485,3 +485,25 @@ def test_the_consensus_rule_is_off_without_a_threshold_and_needs_three_updates()
     for bad in (0.0, 0.5, -1.5):
         with pytest.raises(ValueError, match="consensus_threshold"):
             UpdateScreen(num_classes=3, consensus_threshold=bad)
+
+
+def test_a_low_label_alignment_alone_does_not_ban_a_site_whose_update_goes_with_the_rest():
+    """The false alarm of issue 35 (an honest line on gearbox seed 7, banned at round 35):
+    a site whose bias update runs against its labels while its whole update goes with
+    the round's median is not rejected; with its update reversed as well, it is banned."""
+    def rounds(screen, body_sign):
+        out = []
+        for _ in range(4):
+            instructions = {node: instruction(node) for node in range(1, 7)}
+            arrays = {n: _signed(n, 1.0 if n < 6 else -1.0) for n in range(1, 7)}
+            for n, a in arrays.items():  # every site moves the body the same way (the sixth: body_sign)
+                a["conv.weight"] = (a["conv.weight"] + (body_sign if n == 6 else 1.0) * 0.05).astype(np.float32)
+            out.append(screen(instructions, [reply(instructions[n], arrays[n]) for n in range(1, 7)]))
+        return out
+
+    along = UpdateScreen(num_classes=3, alignment_threshold=-0.4, consensus_threshold=-0.25)
+    assert not any(r.has_error() for out in rounds(along, 1.0) for r in out)
+    assert "node-6" not in along.flagged
+    against = UpdateScreen(num_classes=3, alignment_threshold=-0.4, consensus_threshold=-0.25)
+    assert [out[5].has_error() for out in rounds(against, -1.0)] == [False, False, True, True]
+    assert "node-6" in against.flagged

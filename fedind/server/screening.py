@@ -73,8 +73,12 @@ for every strategy — Flower's or fedind's):
    of a site's classifier-bias update with its own log label shares. An honest site
    trained with the logit-adjusted loss moves the bias towards its own label prior; a
    sign-flipped update moves it away, every round. A site whose decayed mean (β = 0.9)
-   falls below the threshold, from its third round on, is rejected for the rest of the run
-   (logged with its site; the verdict is in the server checkpoint). Not re-admitted when
+   falls below the threshold, from its third round on, **while its whole update also runs
+   against the rounds' median updates** (rule 6's decayed mean below 0; the evidence of
+   two statistics, which no honest line gave together in the recorded runs, while a
+   well-fitted honest line on the gearbox family gave the first alone and was banned
+   for it), is rejected for the rest of the run (logged with its site; the verdict is in
+   the server checkpoint). Not re-admitted when
    its record recovers: once the model fits a dropped attacker's data well, its reversed
    update no longer reads as reversed (an honest update of a well-fitted site pushes the
    bias slightly against its prior, through the logit adjustment), and let back in it
@@ -451,15 +455,18 @@ class UpdateScreen:
                     f"{label} {value:.4g} is an outlier ({value / median:.3g}x the round's median {median:.4g}; "
                     f"robust rule z={self.z:g}, ratios {self.min_ratio:g} to {self.max_ratio:g})"
                 )
-        if self.alignment_threshold is not None:
-            for i, _, _ in valid:
-                reason = self._misaligned(updates[i])
-                if reason and i not in reasons:
-                    reasons[i] = reason
-        if self.consensus_threshold is not None and len(valid) >= 3:
+        consensus: dict[int, tuple[float, float, int]] = {}  # position -> (cosine, decayed mean, rounds)
+        if (self.consensus_threshold is not None or self.alignment_threshold is not None) and len(valid) >= 3:
             flats = [np.concatenate([np.ravel(updates[i].delta[k]) for k in sorted(updates[i].delta)]) for i, _, _ in valid]
             for (i, _, _), cosine in zip(valid, consensus_cosines(flats)):
-                mean, rounds = self.consensus.add(updates[i].site_id, float(cosine))
+                consensus[i] = (float(cosine), *self.consensus.add(updates[i].site_id, float(cosine)))
+        if self.alignment_threshold is not None:
+            for i, _, _ in valid:
+                reason = self._misaligned(updates[i], consensus.get(i))
+                if reason and i not in reasons:
+                    reasons[i] = reason
+        if self.consensus_threshold is not None:
+            for i, (cosine, mean, rounds) in consensus.items():
                 if mean < self.consensus_threshold and rounds >= self.alignment_warmup and i not in reasons:
                     reasons[i] = (f"update runs against the round's median update: decayed mean cosine {mean:.2f} < "
                                   f"{self.consensus_threshold:g} over {rounds} rounds (this round {cosine:.2f}); "
@@ -471,13 +478,21 @@ class UpdateScreen:
         verdicts.update(reasons)
         return verdicts
 
-    def _misaligned(self, update) -> str | None:
+    def _misaligned(self, update, consensus: tuple[float, float, int] | None = None) -> str | None:
         """Fold this update's label alignment into its site's record; the rejection reason
         when the record is below the threshold (None otherwise). An update without evidence
         (no histogram, no ``bias_name`` in the model, or a bias it did not change: a top-k
         update that left it out) does not move the record, and does not let a rejected
         site back in: before this, a banned attacker was accepted in every round whose
-        sparse update left the bias out (13 of 40 rounds on seed 5)."""
+        sparse update left the bias out (13 of 40 rounds on seed 5).
+
+        ``consensus``: the site's ``(cosine, decayed mean, rounds)`` to the rounds' median
+        updates. A record below the threshold bans the site only when this mean is below 0
+        too (its update also runs against the rest): a well-fitted honest line can push its
+        bias against its prior (the logit adjustment does), but in the recorded runs no
+        honest line did both, and every reversed attacker did when it was first caught.
+        Without a consensus record (fewer than three updates in the round) the label
+        alignment decides alone."""
         histogram, delta = update.histogram, update.delta
         site = update.site_id
         alignment = math.nan
@@ -499,6 +514,8 @@ class UpdateScreen:
         if rounds < self.alignment_warmup or mean >= bar:
             self.flagged.discard(site)
             return None
+        if site not in self.flagged and consensus is not None and consensus[1] >= 0:
+            return None  # uncorroborated: its update goes with the round's median
         self.flagged.add(site)
         return (
             f"label alignment {mean:.2f} < {bar:g}: its {self.bias_name} update runs against its own label "
