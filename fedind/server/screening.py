@@ -235,8 +235,9 @@ def _centred(x: np.ndarray) -> np.ndarray | None:
 
 class AlignmentRecord:
     r"""Per site, the decayed mean of a per-round statistic (its :func:`label_alignment`, or
-    its update's cosine to the round's median update) over the rounds it had one: :math:`A = \sum_t \beta^{T-t} a_t / \sum_t \beta^{T-t}` (``decay`` β), with the
-    number of rounds seen. JSON-able state for the server checkpoint."""
+    its update's cosine to the round's median update) over the rounds it had one:
+    :math:`A = \sum_t \beta^{T-t} a_t / \sum_t \beta^{T-t}` (``decay`` β), with the number of
+    rounds seen. JSON-able state for the server checkpoint."""
 
     def __init__(self, decay: float = 0.9) -> None:
         if not 0 <= decay < 1:
@@ -404,7 +405,8 @@ class UpdateScreen:
         self.consensus = AlignmentRecord(alignment_decay)  # per site: decayed cosine to the round's median update
 
     def state_dict(self) -> dict:
-        """What the screen learnt across rounds (the sites' label-alignment records)."""
+        """What the screen learnt across rounds (the sites' label-alignment and consensus
+        records, and the banned sites)."""
         return {"alignment": self.alignment.state_dict(), "flagged": sorted(self.flagged),
                 "consensus": self.consensus.state_dict()}
 
