@@ -488,7 +488,7 @@ def test_the_consensus_rule_is_off_without_a_threshold_and_needs_three_updates()
 
 
 def test_a_low_label_alignment_alone_does_not_ban_a_site_whose_update_goes_with_the_rest():
-    """The false alarm of issue 35 (an honest line on gearbox seed 7, banned at round 35):
+    """The false alarm of issue 35 (an honest line on gearbox seed 7, banned from round 36):
     a site whose bias update runs against its labels while its whole update goes with
     the round's median is not rejected; with its update reversed as well, it is banned."""
     def rounds(screen, body_sign):
