@@ -507,3 +507,26 @@ def test_a_low_label_alignment_alone_does_not_ban_a_site_whose_update_goes_with_
     against = UpdateScreen(num_classes=3, alignment_threshold=-0.4, consensus_threshold=-0.25)
     assert [out[5].has_error() for out in rounds(against, -1.0)] == [False, False, True, True]
     assert "node-6" in against.flagged
+
+
+def test_a_site_a_little_against_the_median_is_weighed_down_and_no_longer_than_the_median_update():
+    """Five sites along +1 and a sixth 3.8 times as long at cosine -0.1 to them, round after
+    round: from its third round it is accepted, scaled to the median norm times
+    1 - mean / threshold (0.6 at a threshold of -0.25)."""
+    screen = UpdateScreen(num_classes=3, consensus_threshold=-0.25)
+    instructions = {node: instruction(node) for node in range(1, 7)}
+    size = sum(v.size for v in GLOBAL.values())
+    replies = [reply(instructions[n], {k: GLOBAL[k] + np.float32(0.01) for k in GLOBAL}) for n in range(1, 6)]
+    ones = np.ones(size) / np.sqrt(size)
+    across = np.zeros(size)
+    across[0], across[1] = 1 / np.sqrt(2), -1 / np.sqrt(2)  # orthogonal to the median's direction
+    against = 0.2 * (-0.1 * ones + np.sqrt(1 - 0.01) * across)
+    offsets = np.cumsum([GLOBAL[k].size for k in GLOBAL])[:-1]
+    sixth = {k: (GLOBAL[k] + part.reshape(GLOBAL[k].shape)).astype(np.float32)
+             for k, part in zip(GLOBAL, np.split(against, offsets))}
+    for _ in range(3):
+        out = screen(instructions, replies + [reply(instructions[6], sixth)])
+    assert not any(r.has_error() for r in out)
+    got = [np.asarray(out[5].content.array_records["arrays"][k].numpy(), np.float64) - GLOBAL[k] for k in GLOBAL]
+    norm = np.sqrt(sum(float((d**2).sum()) for d in got))
+    assert norm == pytest.approx(0.6 * 0.01 * np.sqrt(size), rel=1e-3)
