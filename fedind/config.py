@@ -78,7 +78,7 @@ class RunConfig:
     cclip_radius: float = 0.0  # dwa: centered clipping of bucketed updates at this many times their median distance to the server momentum (0 = off; fedind.aggregation.robust)
     cclip_bucket: int = 2  # dwa, with cclip-radius: sites averaged per random bucket before clipping
     alignment_threshold: float = -0.4  # screen: reject a site whose decayed label alignment is below this (-1 = off; fedind.server.screening)
-    consensus_threshold: float = -0.25  # screen: reject, for the round, a site whose decayed mean cosine to the rounds' median updates is below this (-1 = off; fedind.server.screening)
+    consensus_threshold: float = -0.25  # screen: a site whose decayed mean cosine to the rounds' median updates is negative is weighed down and clipped to the median norm, and rejected for the round below this (-1 = off; fedind.server.screening)
     alignment_release: float = 1.1  # screen: a rejected site is let back in once its decayed label alignment is back at this (above 1 = never: rejected for the rest of the run)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
