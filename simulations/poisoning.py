@@ -87,7 +87,7 @@ import fedind.server.app  # noqa: E402
 import fedind.site.app  # noqa: E402
 from fedind import wire  # noqa: E402
 from fedind.site.app import site_app  # noqa: E402
-from fedind.server.screening import UpdateScreen, label_alignment  # noqa: E402
+from fedind.server.screening import UpdateScreen, consensus_cosines, label_alignment  # noqa: E402
 from fedind.simulation import simulate  # noqa: E402
 from fedind.topk.selection import topk_indices  # noqa: E402
 
@@ -408,18 +408,17 @@ def recording_screen(
                 server_round = 1 + max((r["round"] for r in rows), default=0)
                 lengths = {node: float(np.linalg.norm(flat)) for node, (_, flat) in norms.items()}
                 median = float(np.median(list(lengths.values())))
-                middle = np.median(np.stack([flat for _, flat in norms.values()]), axis=0)
-                bodies = {node: np.concatenate([d.ravel() for k, d in sorted(u.delta.items()) if not k.startswith("head.")])
-                          for u in updates if u.has_update for node in [u.node_id]}
-                middle_body = np.median(np.stack(list(bodies.values())), axis=0)
+                nodes = list(norms)
+                cosines = dict(zip(nodes, consensus_cosines([norms[node][1] for node in nodes])))
+                bodies = {u.node_id: np.concatenate([d.ravel() for k, d in sorted(u.delta.items()) if not k.startswith("head.")])
+                          for u in updates if u.has_update}
+                body_cosines = dict(zip(nodes, consensus_cosines([bodies[node] for node in nodes])))
                 rejected = {updates[i].node_id for i, v in verdicts.items() if isinstance(v, str)}
                 for node, (site, flat) in sorted(norms.items(), key=lambda kv: kv[1][0]):
-                    cosine = float(flat @ middle) / max(lengths[node] * float(np.linalg.norm(middle)), 1e-300)
-                    body = bodies[node]
-                    body_cosine = float(body @ middle_body) / max(float(np.linalg.norm(body) * np.linalg.norm(middle_body)), 1e-300)
                     rows.append({"round": server_round, "site": site, "norm": lengths[node],
-                                 "ratio_to_median": lengths[node] / median, "cosine_to_median_update": cosine,
-                                 "body_cosine_to_median_update": body_cosine,
+                                 "ratio_to_median": lengths[node] / median,
+                                 "cosine_to_median_update": float(cosines[node]),
+                                 "body_cosine_to_median_update": float(body_cosines[node]),
                                  "peer_cosine": peers.get(node, float("nan")),
                                  "peer_cosine_head": peers_head.get(node, float("nan")),
                                  "label_alignment": alignments.get(node, float("nan")),

@@ -472,8 +472,7 @@ class UpdateScreen:
                 if reason and i not in reasons:
                     reasons[i] = reason
         if self.consensus_threshold is not None:
-            median_norm = float(np.median([entry[1] for entry in valid]))
-            norms = {i: norm for i, norm, _ in valid}
+            to_median = dict(zip((i for i, _, _ in valid), clip_factors([entry[1] for entry in valid], 1.0)))
             for i, (cosine, mean, rounds) in consensus.items():
                 if mean >= 0 or rounds < self.alignment_warmup or i in reasons:
                     continue
@@ -482,7 +481,7 @@ class UpdateScreen:
                                   f"{self.consensus_threshold:g} over {rounds} rounds (this round {cosine:.2f}); "
                                   "judged again every round")
                 else:  # weighed down linearly to the threshold, and no longer than the median update
-                    factor = (1.0 - mean / self.consensus_threshold) * min(1.0, median_norm / max(norms[i], 1e-300))
+                    factor = (1.0 - mean / self.consensus_threshold) * float(to_median[i])
                     factors[i] = min(factor, factors.get(i, 1.0))
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
