@@ -105,6 +105,7 @@ def fit_new_rows(
     num_classes: int,
     adjustment: torch.Tensor | None = None,
     weight_decay: float = WEIGHT_DECAY,
+    row_norm: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     r"""Head rows ``K .. num_classes - 1`` for a head ``weight [K, F]``, ``bias [K]``: the
     minimiser over the new rows ``(W', b')`` of
@@ -114,7 +115,14 @@ def fit_new_rows(
     over the examples (``features [N, F]``, ``labels [N]``), with the old rows fixed,
     ``a = adjustment`` (``[num_classes]``, the site's logit adjustment; None: 0) and
     ``λ = weight_decay``. Convex in ``(W', b')``: L-BFGS from ``W' = 0``, ``b' = min b``,
-    float64. Returns float32 ``W' [num_classes - K, F]``, ``b' [num_classes - K]``."""
+    float64. Returns float32 ``W' [num_classes - K, F]``, ``b' [num_classes - K]``.
+
+    ``row_norm``: every new row has this norm, ``W'_j = s\, v_j / \lVert v_j \rVert`` (the
+    direction ``v_j`` and ``b'`` fitted, from the class's mean feature; no decay term).
+    Unconstrained, a fit on one site's separable windows outgrows the trained rows (norm
+    2-5x, bias -20 to -60 in the plant runs) and the new logit flips with small feature
+    shifts; at the old rows' scale it competes on their terms (weight aligning, Zhao et
+    al. 2020; imprinting, Qi et al. 2018)."""
     old, dim = weight.shape
     if num_classes <= old or features.ndim != 2 or features.shape[1] != dim or labels.shape != features.shape[:1]:
         raise ValueError(
@@ -125,19 +133,35 @@ def fit_new_rows(
     y = labels.detach().long()
     fixed = h @ weight.detach().double().T + bias.detach().double()
     shift = torch.zeros(num_classes, dtype=torch.float64) if adjustment is None else adjustment.detach().double()
-    rows = torch.zeros(num_classes - old, dim, dtype=torch.float64, requires_grad=True)
     offsets = torch.full((num_classes - old,), float(bias.min()), dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([rows, offsets], max_iter=200, line_search_fn="strong_wolfe")
+    if row_norm is None:
+        free = torch.zeros(num_classes - old, dim, dtype=torch.float64, requires_grad=True)
+        decay = weight_decay
+
+        def rows() -> torch.Tensor:
+            return free
+    else:
+        if not (math.isfinite(row_norm) and row_norm > 0):
+            raise ValueError(f"Invalid row_norm: {row_norm!r}")
+        start = torch.stack([h[y == k].mean(dim=0) if bool((y == k).any()) else h.mean(dim=0) for k in range(old, num_classes)])
+        free = (start + 1e-6).clone().requires_grad_(True)  # + 1e-6: never the zero vector
+        decay = 0.0
+
+        def rows() -> torch.Tensor:
+            return row_norm * free / free.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+    optimizer = torch.optim.LBFGS([free, offsets], max_iter=200, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
-        logits = torch.cat([fixed, h @ rows.T + offsets], dim=1) + shift
-        loss = nn.functional.cross_entropy(logits, y) + 0.5 * weight_decay * (rows * rows).sum()
+        w = rows()
+        logits = torch.cat([fixed, h @ w.T + offsets], dim=1) + shift
+        loss = nn.functional.cross_entropy(logits, y) + 0.5 * decay * (w * w).sum()
         loss.backward()
         return loss
 
     optimizer.step(closure)
-    return rows.detach().float().numpy(), offsets.detach().float().numpy()
+    return rows().detach().float().numpy(), offsets.detach().float().numpy()
 
 
 def propose_new_rows(
@@ -168,7 +192,9 @@ def propose_new_rows(
     counts = np.bincount(data.y, minlength=num_classes)
     adjustment = prior_logit_adjustment(counts, tau) if tau else None
     weight, bias = model.head.weight.detach().cpu()[:first], model.head.bias.detach().cpu()[:first]
-    rows, biases = fit_new_rows(features, torch.from_numpy(data.y), weight, bias, num_classes, adjustment)
+    scale = float(weight.double().norm(dim=1).mean())  # the trained rows' scale; 0 for an untrained zero head
+    rows, biases = fit_new_rows(features, torch.from_numpy(data.y), weight, bias, num_classes, adjustment,
+                                row_norm=scale if scale > 0 else None)
     return rows, biases, counts[first:]
 
 
