@@ -283,6 +283,17 @@ class RunConfig:
         return self.ewc_lambda * max(0.0, 1.0 - since / self.ewc_fade_rounds)
 
     @property
+    def screen_rules(self) -> dict[str, float | None]:
+        """The update screen's rules across rounds as :class:`fedind.server.screening.UpdateScreen`
+        takes them: a threshold of -1 is None (the rule is off), a release above 1 is None
+        (a banned site is never let back in)."""
+        return {
+            "alignment_threshold": None if self.alignment_threshold <= -1 else self.alignment_threshold,
+            "alignment_release": self.alignment_release if self.alignment_release <= 1 else None,
+            "consensus_threshold": None if self.consensus_threshold <= -1 else self.consensus_threshold,
+        }
+
+    @property
     def refits_young_rows(self) -> bool:
         """Whether the holders of a class grown in this phase refit its head rows every round
         (fedind.continual.phases). ``young-rows = holders`` averages them over the holders instead,

@@ -206,6 +206,21 @@ def test_fitted_new_rows_recognise_the_new_class_and_leave_the_old_rows_alone():
         fit_new_rows(features, torch.from_numpy(labels), weight, bias, 3)
 
 
+def test_a_row_fitted_at_the_old_rows_norm_has_that_norm_and_still_recognises_the_new_class():
+    rng = np.random.default_rng(0)
+    centres = 3.0 * np.eye(4, 6)
+    labels = np.repeat(np.arange(4), [30, 30, 30, 6])
+    features = torch.from_numpy(centres[labels] + 0.3 * rng.standard_normal((labels.size, 6)))
+    weight, bias = torch.from_numpy(centres[:3].copy()), torch.zeros(3, dtype=torch.float64)
+    rows, biases = fit_new_rows(features, torch.from_numpy(labels), weight, bias, 4, row_norm=3.0)
+    assert np.linalg.norm(rows[0]) == pytest.approx(3.0, rel=1e-5)
+    logits = np.concatenate([features.numpy() @ centres[:3].T, features.numpy() @ rows.T + biases], axis=1)
+    assert np.mean(logits.argmax(1)[labels == 3] == 3) == 1.0 and np.mean(logits.argmax(1)[labels < 3] == 3) == 0.0
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="row_norm"):
+            fit_new_rows(features, torch.from_numpy(labels), weight, bias, 4, row_norm=bad)
+
+
 def test_row_proposals_are_merged_weighted_by_the_windows_of_each_class():
     a = (np.array([[1.0, 0.0], [5.0, 5.0]]), np.array([1.0, 9.0]), np.array([3, 0]))  # no windows of class 5
     b = (np.array([[0.0, 1.0]]), np.array([3.0]), np.array([1]))
@@ -370,6 +385,8 @@ def test_a_site_proposes_rows_from_the_first_young_class_on():
     data = SiteArrays(rng.standard_normal((20, 1, 256)).astype(np.float32), np.repeat(np.arange(5), 4))
     rows, biases, counts = propose_new_rows(model, data, 5, 0.5, torch.device("cpu"), first=3)
     assert rows.shape == (2, 32) and biases.shape == (2,) and counts.tolist() == [4, 4]
+    scale = model.head.weight.detach()[:3].double().norm(dim=1).mean().item()
+    np.testing.assert_allclose(np.linalg.norm(rows, axis=1), scale, rtol=1e-5)  # at the trained rows' norm
     assert propose_new_rows(model, data, 5, 0.5, torch.device("cpu"))[0].shape == (1, 32)  # beyond the head only
     with pytest.raises(ValueError, match="first class"):
         propose_new_rows(model, data, 5, 0.5, torch.device("cpu"), first=5)

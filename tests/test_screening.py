@@ -14,6 +14,7 @@ from fedind.server.screening import (
     UpdateScreen,
     clip_factors,
     consensus_cosines,
+    consensus_weight,
     label_alignment,
     norm_outliers,
     outlier_bounds,
@@ -437,6 +438,14 @@ def _unchanged(out: Message, reply: Message) -> bool:
 class _NoGrid:
     def get_node_ids(self):
         return list(range(1, 7))
+
+
+def test_consensus_weight_is_one_above_zero_linear_in_the_band_and_zero_below_the_threshold():
+    assert consensus_weight(0.3, -0.25) == 1.0 and consensus_weight(0.0, -0.25) == 1.0
+    assert consensus_weight(-0.1, -0.25) == pytest.approx(0.6)
+    assert consensus_weight(-0.25, -0.25) == 0.0 and consensus_weight(-0.6, -0.25) == 0.0
+    with pytest.raises(ValueError, match="threshold"):
+        consensus_weight(-0.1, 0.0)
 
 
 def test_consensus_cosines_are_each_updates_cosine_to_the_coordinate_wise_median():

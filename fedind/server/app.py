@@ -104,7 +104,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         num_classes = head_classes(checkpoint.arrays)
     # Plaintext updates are screened before the strategy sees them (fedind.server.screening);
     # under encryption there is nothing the server could read to screen.
-    alignment = None if config.alignment_threshold <= -1 else config.alignment_threshold
+    rules = config.screen_rules
     screen = None
     if config.encryption == "paillier":  # the server holds the public key only (fedind.server.encrypted)
         strategy, pipeline = encrypted_server(config, num_sites, num_classes)
@@ -115,10 +115,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         schedule = RoundBudget(config.topk_ratio, config.topk_warmup_rounds)
         transform = (EstimateUplink(config.topk_estimate_decay, schedule) if ef21
                      else TopkUplink(config.topk_gain, schedule))
-        release = config.alignment_release if config.alignment_release <= 1 else None  # None: never let back in
-        consensus = None if config.consensus_threshold <= -1 else config.consensus_threshold
-        screen = UpdateScreen(num_classes, alignment_threshold=alignment, alignment_release=release,
-                              consensus_threshold=consensus)
+        screen = UpdateScreen(num_classes, **rules)
         pipeline = ReplyPipeline(uplink=transform, screen=screen)  # each reply decoded once, then screened
         if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
             spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
@@ -132,7 +129,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     metered = MeteredGrid(grid, transform=transform, screen=pipeline)
     # A plain Flower ClientApp works too; say once which fedind features its replies switch off.
     features = FeatureLog(config.strategy if config.dwa_weighting else "",
-                          alignment_on=screen is not None and alignment is not None)
+                          alignment_on=screen is not None and rules["alignment_threshold"] is not None)
     last_failures: list[str] = []  # of the latest round that had any: the cause a failed run reports
     clock = {"round": time.monotonic(), "checkpoint": time.monotonic()}
     site_cpu = {"site_train_cpu_seconds": 0.0, "site_compress_cpu_seconds": 0.0, **saved.get("site_cpu", {})}

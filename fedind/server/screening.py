@@ -128,7 +128,7 @@ from .. import wire
 
 __all__ = [
     "REJECTED_UPDATE", "AlignmentRecord", "InvalidUpdate", "UpdateScreen", "check_histogram", "is_real",
-    "clip_factors", "consensus_cosines", "label_alignment", "norm_outliers", "outlier_bounds", "read_metrics", "read_reply",
+    "clip_factors", "consensus_cosines", "consensus_weight", "label_alignment", "norm_outliers", "outlier_bounds", "read_metrics", "read_reply",
 ]
 
 REJECTED_UPDATE = wire.REJECTED_UPDATE  # the code's table: fedind.wire
@@ -191,6 +191,16 @@ def consensus_cosines(deltas: Sequence[np.ndarray]) -> np.ndarray:
     middle = np.median(stacked, axis=0)
     norms = np.linalg.norm(stacked, axis=1) * float(np.linalg.norm(middle))
     return np.divide(stacked @ middle, norms, out=np.zeros(len(deltas)), where=norms > 0)
+
+
+def consensus_weight(mean: float, threshold: float) -> float:
+    """The weight of a site whose decayed mean cosine to the median update is ``mean``: 1 at
+    or above 0, falling linearly to 0 at ``threshold`` (< 0) and 0 below it (rejected). The
+    band below 0 holds a reversed body's record most rounds and an honest line's rarely
+    (docs/benchmarks/poisoning.md), so it is weighed down, not cut."""
+    if not threshold < 0:
+        raise ValueError(f"Invalid consensus threshold: {threshold!r} (below 0)")
+    return 1.0 if mean >= 0 else max(0.0, 1.0 - mean / threshold)
 
 
 def clip_factors(norms: Sequence[float], ratio: float) -> np.ndarray:
@@ -481,7 +491,7 @@ class UpdateScreen:
                                   f"{self.consensus_threshold:g} over {rounds} rounds (this round {cosine:.2f}); "
                                   "judged again every round")
                 else:  # weighed down linearly to the threshold, and no longer than the median update
-                    factor = (1.0 - mean / self.consensus_threshold) * float(to_median[i])
+                    factor = consensus_weight(mean, self.consensus_threshold) * float(to_median[i])
                     factors[i] = min(factor, factors.get(i, 1.0))
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
