@@ -177,8 +177,8 @@ def propose_new_rows(
     """A site's proposal for the head rows of classes ``first .. num_classes - 1``
     (``first`` defaults to the end of ``model``'s head; ``num_classes`` =
     :func:`classes_seen`): :func:`fit_new_rows` on ``model.features`` of every window in
-    ``data``, rows before ``first`` held fixed, with the logit adjustment ``tau`` of its
-    label histogram. Returns ``(rows [m, F], biases [m], windows of each class [m])``."""
+    ``data``, rows before ``first`` held fixed, each new row at their mean norm, with the
+    logit adjustment ``tau`` of its label histogram. Returns ``(rows [m, F], biases [m], windows of each class [m])``."""
     head = model.head.out_features
     first = head if first is None else first
     if not 1 <= first <= head:
