@@ -85,6 +85,13 @@ def loopback_node_ids(num_nodes: int, seed: int = 0) -> list[int]:
     return sorted(ids)
 
 
+def stamp_message_id(message: Message, message_id: str) -> None:
+    """Give ``message`` the id a Flower grid or relay would: ``Metadata`` has no setter for
+    it (Flower assigns ids when it pushes a message), so this is the one place that writes
+    the private field."""
+    message.metadata.__dict__["_message_id"] = message_id
+
+
 class _ServerRandomness:
     """Save the server's generator states (``random``, ``numpy.random``, torch CPU) and its
     torch thread count on entry, set ``threads`` torch threads, put everything back on exit:
@@ -196,7 +203,7 @@ class LoopbackGrid(Grid):
         node; a message to a node that does not exist is not queued (no id returned)."""
         ids = []
         for message in messages:
-            message.metadata.__dict__["_message_id"] = str(uuid4())
+            stamp_message_id(message, str(uuid4()))
             metadata = message.metadata
             if metadata.reply_to_message_id or metadata.ttl <= 0:
                 raise ValueError(f"Invalid message: {message}")
@@ -252,7 +259,7 @@ class LoopbackGrid(Grid):
             log(ERROR, "ClientApp raised an exception: %s", ex)
             log(ERROR, traceback.format_exc())
             reply = error_reply(message, ex)
-        reply.metadata.__dict__["_message_id"] = str(uuid4())
+        stamp_message_id(reply, str(uuid4()))
         self.messages_delivered += 1
         return _copy_message(reply, self.serialize)
 

@@ -92,7 +92,9 @@ def _child(args: argparse.Namespace) -> None:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 7, 1
         handler_start = time.time()
         message = message_from_proto(ProtoMessage.FromString(Path(args.message).read_bytes()))
-        message.metadata.__dict__["_message_id"] = message.object_id
+        from fedind.loopback import stamp_message_id
+
+        stamp_message_id(message, message.object_id)
         agent.app(message, _context(args))
         marks["message done"] = time.time() - args.t0
         worker = json.loads((Path(args.state) / "worker" / "marks.jsonl").read_text().splitlines()[-1])
