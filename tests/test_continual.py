@@ -186,18 +186,26 @@ def test_restored_replay_buffer_grows_with_the_head_and_keeps_its_windows():
                        policy="balanced-loss", seed=1)
 
 
-def test_fitted_new_rows_recognise_the_new_class_and_leave_the_old_rows_alone():
-    # Features of 3 old classes and a new one, each around its own direction; the old head
-    # knows the old classes only. The fitted row must pick out the new class's examples.
+def _four_classes() -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Features of 3 old classes and a new one, each around its own direction, and an old
+    head that knows the old classes only: ``(centres, labels, features, weight, bias)``."""
     rng = np.random.default_rng(0)
     centres = 3.0 * np.eye(4, 6)
     labels = np.repeat(np.arange(4), [30, 30, 30, 6])
     features = torch.from_numpy(centres[labels] + 0.3 * rng.standard_normal((labels.size, 6)))
-    weight, bias = torch.from_numpy(centres[:3].copy()), torch.zeros(3, dtype=torch.float64)
+    return centres, labels, features, torch.from_numpy(centres[:3].copy()), torch.zeros(3, dtype=torch.float64)
+
+
+def _picks_out_the_new_class(centres, labels, features, rows, biases) -> bool:
+    logits = np.concatenate([features.numpy() @ centres[:3].T, features.numpy() @ rows.T + biases], axis=1)
+    return np.mean(logits.argmax(1)[labels == 3] == 3) == 1.0 and np.mean(logits.argmax(1)[labels < 3] == 3) == 0.0
+
+
+def test_fitted_new_rows_recognise_the_new_class_and_leave_the_old_rows_alone():
+    centres, labels, features, weight, bias = _four_classes()
     rows, biases = fit_new_rows(features, torch.from_numpy(labels), weight, bias, 4)
     assert rows.shape == (1, 6) and biases.shape == (1,) and rows.dtype == np.float32
-    logits = np.concatenate([features.numpy() @ centres[:3].T, features.numpy() @ rows.T + biases], axis=1)
-    assert np.mean(logits.argmax(1)[labels == 3] == 3) == 1.0 and np.mean(logits.argmax(1)[labels < 3] == 3) == 0.0
+    assert _picks_out_the_new_class(centres, labels, features, rows, biases)
     assert torch.equal(weight, torch.from_numpy(centres[:3]))  # the old rows are not touched
     # weight decay keeps the row bounded on separable data; a stronger one shrinks it
     strong, _ = fit_new_rows(features, torch.from_numpy(labels), weight, bias, 4, weight_decay=1.0)
@@ -207,15 +215,10 @@ def test_fitted_new_rows_recognise_the_new_class_and_leave_the_old_rows_alone():
 
 
 def test_a_row_fitted_at_the_old_rows_norm_has_that_norm_and_still_recognises_the_new_class():
-    rng = np.random.default_rng(0)
-    centres = 3.0 * np.eye(4, 6)
-    labels = np.repeat(np.arange(4), [30, 30, 30, 6])
-    features = torch.from_numpy(centres[labels] + 0.3 * rng.standard_normal((labels.size, 6)))
-    weight, bias = torch.from_numpy(centres[:3].copy()), torch.zeros(3, dtype=torch.float64)
+    centres, labels, features, weight, bias = _four_classes()
     rows, biases = fit_new_rows(features, torch.from_numpy(labels), weight, bias, 4, row_norm=3.0)
     assert np.linalg.norm(rows[0]) == pytest.approx(3.0, rel=1e-5)
-    logits = np.concatenate([features.numpy() @ centres[:3].T, features.numpy() @ rows.T + biases], axis=1)
-    assert np.mean(logits.argmax(1)[labels == 3] == 3) == 1.0 and np.mean(logits.argmax(1)[labels < 3] == 3) == 0.0
+    assert _picks_out_the_new_class(centres, labels, features, rows, biases)
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="row_norm"):
             fit_new_rows(features, torch.from_numpy(labels), weight, bias, 4, row_norm=bad)
