@@ -118,11 +118,11 @@ def fit_new_rows(
     float64. Returns float32 ``W' [num_classes - K, F]``, ``b' [num_classes - K]``.
 
     ``row_norm``: every new row has this norm, ``W'_j = s\, v_j / \lVert v_j \rVert`` (the
-    direction ``v_j`` and ``b'`` fitted, from the class's mean feature; no decay term).
-    Unconstrained, a fit on one site's separable windows outgrows the trained rows (norm
-    2-5x, bias -20 to -60 in the plant runs) and the new logit flips with small feature
-    shifts; at the old rows' scale it competes on their terms (weight aligning, Zhao et
-    al. 2020; imprinting, Qi et al. 2018)."""
+    direction ``v_j`` and ``b'`` fitted by L-BFGS from the class's mean feature; no decay
+    term; not convex any more, so the start matters). Unconstrained, a fit on one site's
+    separable windows outgrows the trained rows (2-4x their norm, biases near +-50 in the
+    plant runs) and the new logit flips with small feature shifts; at the old rows' scale it
+    competes on their terms (weight aligning, Zhao et al. 2020; imprinting, Qi et al. 2018)."""
     old, dim = weight.shape
     if num_classes <= old or features.ndim != 2 or features.shape[1] != dim or labels.shape != features.shape[:1]:
         raise ValueError(
@@ -143,7 +143,8 @@ def fit_new_rows(
     else:
         if not (math.isfinite(row_norm) and row_norm > 0):
             raise ValueError(f"Invalid row_norm: {row_norm!r}")
-        start = torch.stack([h[y == k].mean(dim=0) if bool((y == k).any()) else h.mean(dim=0) for k in range(old, num_classes)])
+        start = torch.stack([h[y == k].mean(dim=0) if bool((y == k).any()) else h.mean(dim=0)
+                             for k in range(old, num_classes)])
         free = (start + 1e-6).clone().requires_grad_(True)  # + 1e-6: never the zero vector
         decay = 0.0
 
@@ -178,7 +179,8 @@ def propose_new_rows(
     (``first`` defaults to the end of ``model``'s head; ``num_classes`` =
     :func:`classes_seen`): :func:`fit_new_rows` on ``model.features`` of every window in
     ``data``, rows before ``first`` held fixed, each new row at their mean norm, with the
-    logit adjustment ``tau`` of its label histogram. Returns ``(rows [m, F], biases [m], windows of each class [m])``."""
+    logit adjustment ``tau`` of its label histogram. Returns ``(rows [m, F], biases [m],
+    windows of each class [m])``."""
     head = model.head.out_features
     first = head if first is None else first
     if not 1 <= first <= head:
