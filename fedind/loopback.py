@@ -68,6 +68,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from .wire import stamp_message_id
+
 PARTITION_ID_KEY = "partition-id"
 NUM_PARTITIONS_KEY = "num-partitions"
 
@@ -83,13 +85,6 @@ def loopback_node_ids(num_nodes: int, seed: int = 0) -> list[int]:
         if node_id > SUPERLINK_NODE_ID:
             ids.add(node_id)
     return sorted(ids)
-
-
-def stamp_message_id(message: Message, message_id: str) -> None:
-    """Give ``message`` the id a Flower grid or relay would: ``Metadata`` has no setter for
-    it (Flower assigns ids when it pushes a message), so this is the one place that writes
-    the private field."""
-    message.metadata.__dict__["_message_id"] = message_id
 
 
 class _ServerRandomness:

@@ -80,3 +80,11 @@ DOWNLINK_WHOLE = "downlink-whole"  # ArrayRecord, server -> site: arrays of the 
 DOWNLINK_STEP = "downlink-step"  # ConfigRecord, server -> site: the sparse step of the broadcast model (fedind.topk.codec payload)
 SPARSE_RECORD = "packed:"  # ArrayRecord name prefix: a mostly-zero record in compact form (fedind.topk.downlink.pack_sparse)
 CACHED_RECORD = "cached:"  # key prefix in DOWNLINK: an array record left out because the site holds it (value: its digest)
+
+
+def stamp_message_id(message, message_id: str) -> None:
+    """Give a Flower ``Message`` the id a grid would: ``Metadata`` has no setter for it
+    (Flower assigns ids when it pushes a message), so this is the one place that writes the
+    private field. Here, not beside the loopback grid, because the site relay's cost
+    benchmark uses it too and must not import torch."""
+    message.metadata.__dict__["_message_id"] = message_id

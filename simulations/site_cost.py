@@ -92,7 +92,7 @@ def _child(args: argparse.Namespace) -> None:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 7, 1
         handler_start = time.time()
         message = message_from_proto(ProtoMessage.FromString(Path(args.message).read_bytes()))
-        from fedind.loopback import stamp_message_id
+        from fedind.wire import stamp_message_id
 
         stamp_message_id(message, message.object_id)
         agent.app(message, _context(args))
