@@ -119,6 +119,7 @@ import math
 from collections.abc import Mapping, Sequence
 from logging import WARNING
 from numbers import Real
+from typing import NamedTuple
 
 import numpy as np
 from flwr.app import Array, Message, MetricRecord
@@ -127,7 +128,7 @@ from flwr.common.logger import log
 from .. import wire
 
 __all__ = [
-    "REJECTED_UPDATE", "AlignmentRecord", "InvalidUpdate", "UpdateScreen", "check_histogram", "is_real",
+    "REJECTED_UPDATE", "AlignmentRecord", "Consensus", "InvalidUpdate", "UpdateScreen", "check_histogram", "is_real",
     "clip_factors", "consensus_cosines", "consensus_weight", "label_alignment", "norm_outliers", "outlier_bounds", "read_metrics", "read_reply",
 ]
 
@@ -245,6 +246,15 @@ def _centred(x: np.ndarray) -> np.ndarray | None:
     """``x - mean(x)``; None when that is zero up to rounding (x constant)."""
     centred = x - x.mean()
     return centred if np.linalg.norm(centred) > 1e-9 * np.abs(x).max(initial=0.0) else None
+
+
+class Consensus(NamedTuple):
+    """One site's agreement with the round's median update: this round's cosine, and its
+    record (decayed mean over the rounds it sent an update, and how many)."""
+
+    cosine: float
+    mean: float
+    rounds: int
 
 
 class AlignmentRecord:
@@ -471,11 +481,11 @@ class UpdateScreen:
                     f"{label} {value:.4g} is an outlier ({value / median:.3g}x the round's median {median:.4g}; "
                     f"robust rule z={self.z:g}, ratios {self.min_ratio:g} to {self.max_ratio:g})"
                 )
-        consensus: dict[int, tuple[float, float, int]] = {}  # position -> (cosine, decayed mean, rounds)
+        consensus: dict[int, Consensus] = {}  # position -> the site's consensus record
         if (self.consensus_threshold is not None or self.alignment_threshold is not None) and len(valid) >= 3:
             flats = [np.concatenate([np.ravel(updates[i].delta[k]) for k in sorted(updates[i].delta)]) for i, _, _ in valid]
             for (i, _, _), cosine in zip(valid, consensus_cosines(flats)):
-                consensus[i] = (float(cosine), *self.consensus.add(updates[i].site_id, float(cosine)))
+                consensus[i] = Consensus(float(cosine), *self.consensus.add(updates[i].site_id, float(cosine)))
         if self.alignment_threshold is not None:
             for i, _, _ in valid:
                 reason = self._misaligned(updates[i], consensus.get(i))
@@ -483,15 +493,15 @@ class UpdateScreen:
                     reasons[i] = reason
         if self.consensus_threshold is not None:
             to_median = dict(zip((i for i, _, _ in valid), clip_factors([entry[1] for entry in valid], 1.0)))
-            for i, (cosine, mean, rounds) in consensus.items():
-                if mean >= 0 or rounds < self.alignment_warmup or i in reasons:
+            for i, record in consensus.items():
+                if record.mean >= 0 or record.rounds < self.alignment_warmup or i in reasons:
                     continue
-                if mean < self.consensus_threshold:
-                    reasons[i] = (f"update runs against the round's median update: decayed mean cosine {mean:.2f} < "
-                                  f"{self.consensus_threshold:g} over {rounds} rounds (this round {cosine:.2f}); "
-                                  "judged again every round")
+                if record.mean < self.consensus_threshold:
+                    reasons[i] = (f"update runs against the round's median update: decayed mean cosine {record.mean:.2f} "
+                                  f"< {self.consensus_threshold:g} over {record.rounds} rounds (this round "
+                                  f"{record.cosine:.2f}); judged again every round")
                 else:  # weighed down linearly to the threshold, and no longer than the median update
-                    factor = consensus_weight(mean, self.consensus_threshold) * float(to_median[i])
+                    factor = consensus_weight(record.mean, self.consensus_threshold) * float(to_median[i])
                     factors[i] = min(factor, factors.get(i, 1.0))
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
@@ -500,7 +510,7 @@ class UpdateScreen:
         verdicts.update(reasons)
         return verdicts
 
-    def _misaligned(self, update, consensus: tuple[float, float, int] | None = None) -> str | None:
+    def _misaligned(self, update, consensus: Consensus | None = None) -> str | None:
         """Fold this update's label alignment into its site's record; the rejection reason
         when the record is below the threshold (None otherwise). An update without evidence
         (no histogram, no ``bias_name`` in the model, or a bias it did not change: a top-k
@@ -508,7 +518,7 @@ class UpdateScreen:
         site back in: before this, a banned attacker was accepted in every round whose
         sparse update left the bias out (13 of 40 rounds on seed 5).
 
-        ``consensus``: the site's ``(cosine, decayed mean, rounds)`` to the rounds' median
+        ``consensus``: the site's :class:`Consensus` record against the rounds' median
         updates. A record below the threshold bans the site only when this mean is below 0
         too (its update also runs against the rest): a well-fitted honest line can push its
         bias against its prior (the logit adjustment does), but in the recorded runs no
@@ -536,7 +546,7 @@ class UpdateScreen:
         if rounds < self.alignment_warmup or mean >= bar:
             self.flagged.discard(site)
             return None
-        if site not in self.flagged and consensus is not None and consensus[1] >= 0:
+        if site not in self.flagged and consensus is not None and consensus.mean >= 0:
             return None  # uncorroborated: its update goes with the round's median
         self.flagged.add(site)
         return (
