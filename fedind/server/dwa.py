@@ -119,7 +119,8 @@ class DWA(FedAvg):
         ``rate(server_round)``: the sites' learning rate in that round relative to their
         first round's, in (0, 1]. The server momentum is kept in units of it and applied
         at the round's rate (:class:`RestartMomentum`): its coasting follows the sites'
-        schedule. None: rate 1 (the buffer in step units, as FedAvgM).
+        schedule, and it starts afresh where the schedule restarts (a new phase). None:
+        rate 1 (the buffer in step units, as FedAvgM).
     robust : CenteredClipping, optional
         Centered clipping over random buckets (:mod:`fedind.aggregation.robust`): the
         round's deltas and weights become the clipped bucket means and the bucket weights
@@ -345,6 +346,11 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             scales[:, : self.holder_rows_from] = 1.0  # older classes: the site weights
             deltas = scale_rows(deltas, scales, [n for n in (HEAD_WEIGHT, HEAD_BIAS) if n in current])
         rate = 1.0 if self.rate is None else float(self.rate(server_round))
+        if self.rate is not None and server_round > 1 and rate > self.rate(server_round - 1):
+            # the sites' schedule restarted (a new phase): what the buffer gathered, in units
+            # of the old rate, was for the old conditions; applied at the new full rate it
+            # would kick the model along the last phase's direction
+            self.server_buffer = self._new_server_buffer()
         if self.robust is not None:  # each bucket's pull bounded around the server's history
             deltas, weights = self.robust.transform(deltas, weights, server_round)
         if self.conflict_buffer and isinstance(self.server_buffer, RestartMomentum):
