@@ -74,7 +74,6 @@ class RunConfig:
     conflict_momentum: float = 0.9  # dwa with dwa-momentum = 0: beta of the conflict buffer
     server_restart: bool = True  # dwa: reset a coordinate's server momentum when it opposes the round's mean
     conflict_damping: float = 1.0  # dwa: scale of low-agreement coordinates' momentum input (1 = off)
-    momentum_follows_lr: bool = False  # dwa: the server momentum is kept in units of the sites' learning rate and applied at this round's, so its coasting follows their schedule (fedind.aggregation.conflicts.RestartMomentum)
     restart_agreement: float = 0.5  # dwa: restart a coordinate only where the sites' sign agreement is at least this (0 = wherever the mean opposes the buffer)
     cclip_radius: float = 0.0  # dwa: centered clipping of bucketed updates at this many times their median distance to the server momentum (0 = off; fedind.aggregation.robust)
     cclip_bucket: int = 2  # dwa, with cclip-radius: sites averaged per random bucket before clipping
@@ -271,13 +270,6 @@ class RunConfig:
         start = phase * self.phase_rounds
         length = self.phase_rounds if phase < self.phases - 1 else self.num_server_rounds - start
         return (server_round - 1 - start) / length
-
-    def site_rate(self, server_round: int) -> float:
-        """The sites' learning rate in ``server_round`` relative to round 1's, in (0, 1]
-        (their cosine schedule, :func:`fedind.training.cosine_lr`)."""
-        from .training import cosine_lr  # torch: only where a server or site runs
-
-        return cosine_lr(1.0, self.lr_progress(server_round))
 
     def ewc_lambda_at(self, server_round: int) -> float:
         """The EWC weight the sites train ``server_round`` with: ``ewc-lambda``, or with

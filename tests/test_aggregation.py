@@ -417,25 +417,6 @@ def test_restart_momentum_drops_momentum_that_opposes_the_aggregate():
         m.step({"w": np.ones(2)})
 
 
-def test_restart_momentum_in_units_of_the_sites_rate():
-    """A buffer in rate units coasts at the round's rate: when the sites slow down, so does
-    the momentum they built at full rate; a steady rate is the plain heavy ball."""
-    from fedind.aggregation.conflicts import RestartMomentum
-
-    steady, plain = RestartMomentum(beta=0.5, restart=False), RestartMomentum(beta=0.5, restart=False)
-    for d in (1.0, 2.0, -0.5):
-        np.testing.assert_array_equal(steady.step({"w": np.array([d])}, rate=1.0)["w"], plain.step({"w": np.array([d])})["w"])
-    m = RestartMomentum(beta=0.5, restart=False)
-    np.testing.assert_allclose(m.step({"w": np.array([1.0])}, rate=1.0)["w"], [1.0])
-    # the sites stop moving, their rate falls to 0.1: the buffer's 0.5 is applied at 0.1
-    np.testing.assert_allclose(m.step({"w": np.array([0.0])}, rate=0.1)["w"], [0.05])
-    # a step of 0.1 at rate 0.1 enters the buffer as 1 (a full-rate step), leaves at 0.1
-    np.testing.assert_allclose(m.step({"w": np.array([0.1])}, rate=0.1)["w"], [0.1 * (0.25 + 1.0)])
-    for bad in (0.0, 1.5, -0.1, True):
-        with pytest.raises(ValueError, match="rate"):
-            m.step({"w": np.array([1.0])}, rate=bad)
-
-
 def test_conflict_momentum_aggregate_oracle():
     from fedind.aggregation.conflicts import RestartMomentum, conflict_momentum_aggregate
 

@@ -1,6 +1,5 @@
 """Run config: pyproject defaults, parsing and validation."""
 
-import math
 import tomllib
 from pathlib import Path
 
@@ -65,10 +64,3 @@ def test_types_are_checked_not_cast():
     for key, value in [("num-sites", True), ("num-sites", "10"), ("dwa-weighting", 1), ("data-root", 3)]:
         with pytest.raises(ConfigError, match=key):
             RunConfig.from_flower({key: value})
-
-
-def test_site_rate_follows_the_cosine_schedule_per_phase():
-    config = recipe()  # two phases of 20 rounds
-    assert config.site_rate(1) == 1.0 and config.site_rate(21) == 1.0  # each phase restarts the schedule
-    assert 0.0 < config.site_rate(20) < 0.05 and 0.0 < config.site_rate(40) < 0.05
-    assert config.site_rate(10) == pytest.approx(0.5 * (1 + math.cos(math.pi * 9 / 20)) * 0.98 + 0.02)

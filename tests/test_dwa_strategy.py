@@ -597,21 +597,6 @@ def test_conflict_aware_server_momentum_is_one_restarting_buffer():
         dwa(conflict_damping=1.5)
 
 
-def test_server_momentum_follows_the_sites_rate_and_restarts_with_their_schedule():
-    """rate: the buffer holds steps in units of the sites' rate and is applied at the
-    round's; where the schedule restarts (a new phase) the buffer starts afresh."""
-    rates = {1: 1.0, 2: 0.5, 3: 1.0}
-    strategy = dwa(weighting=False, conflict_buffer=True, threshold=0.0, server_momentum=0.5,
-                   rate=rates.__getitem__)
-    current = {"w": np.zeros(1, np.float32)}
-    expected_steps = {1: 1.0, 2: 0.5 * (0.5 * 1.0 + 1.0 / 0.5), 3: 1.0}  # round 3: no momentum left
-    for server_round in (1, 2, 3):
-        sites = [Site({"w": (current["w"] + 1.0).astype(np.float32)}, 10, site_id=f"s{i}") for i in range(2)]
-        arrays, _, _ = run_round(strategy, current, sites, server_round)
-        np.testing.assert_allclose(arrays["w"].numpy() - current["w"], [expected_steps[server_round]], rtol=1e-6)
-        current = as_numpy(arrays)
-
-
 def test_rows_from_average_over_holders_follow_the_sites_holding_each_class():
     """average_over_holders(2): class 2's rows take the holder's delta, older rows FedAvg's."""
     head = {"head.weight": np.zeros((3, 2), np.float32), "head.bias": np.zeros(3, np.float32)}

@@ -251,17 +251,9 @@ class RestartMomentum(MomentumBuffer):
         r_t = [\, v_{t-1} \odot \bar d_t < 0 \,]\,[\, A_t \ge \rho \,] \quad
         \text{(the buffer points against what the sites now agree on)}
 
-        v_t = \beta\,(1 - r_t) \odot v_{t-1} + g_t \odot \bar d_t / s_t, \qquad v_0 = 0
+        v_t = \beta\,(1 - r_t) \odot v_{t-1} + g_t \odot \bar d_t, \qquad v_0 = 0
 
-        u_t = \eta\, s_t\, v_t \quad \text{(returned, added to the global model)}
-
-    :math:`s_t \in (0, 1]` (``rate``, 1 if not given) is the sites' learning rate this
-    round relative to their first round's. With a constant rate this is the heavy ball as
-    FedAvgM runs it. With a decaying one the buffer holds the sites' steps in units of
-    their rate, as PyTorch's SGD holds gradients: the momentum is applied at this round's
-    rate, so when the sites' schedule slows them down the server's coasting slows with
-    them. In step units the model keeps moving on momentum gathered at the full rate
-    through the last rounds of a phase, when the sites step at 1-5 % of it.
+        u_t = \eta\, v_t \quad \text{(returned, added to the global model)}
 
     Where the buffer and the round's aggregate agree in sign it is FedAvgM's heavy ball
     (steady progress amplified up to :math:`1/(1-\beta)`); where they conflict, the stale
@@ -293,13 +285,9 @@ class RestartMomentum(MomentumBuffer):
         mean: Mapping[str, np.ndarray],
         gain: Mapping[str, np.ndarray] | None = None,
         agreement: Mapping[str, np.ndarray] | None = None,
-        rate: float = 1.0,
     ) -> dict[str, np.ndarray]:
         """Fold ``mean`` (times ``gain[name]`` if given) into the buffers; return ``u_t``.
-        ``agreement[name]``: the sites' sign agreement, for ``restart_agreement``;
-        ``rate``: the sites' relative learning rate this round, :math:`s_t`."""
-        if not (isinstance(rate, (int, float, np.floating)) and not isinstance(rate, bool) and 0.0 < rate <= 1.0):
-            raise ValueError(f"Invalid rate value: {rate!r} (expected 0 < rate <= 1)")
+        ``agreement[name]``: the sites' sign agreement, for ``restart_agreement``."""
         out = {}
         restarted = total = 0
         for name, d in mean.items():
@@ -319,9 +307,9 @@ class RestartMomentum(MomentumBuffer):
                 restarted += int(np.count_nonzero(opposed))
                 keep = np.where(opposed, 0.0, keep)
             total += v.size
-            v = np.asarray(keep + g * (d / rate), dtype=v.dtype)
+            v = np.asarray(keep + g * d, dtype=v.dtype)
             self._buffers[name] = v
-            out[name] = np.asarray((self.lr_scale * rate) * v)
+            out[name] = np.asarray(self.lr_scale * v)
         self.last_restart_share = restarted / total if total else 0.0
         return out
 
@@ -333,7 +321,6 @@ def conflict_momentum_aggregate(
     threshold: float,
     damping: float = 1.0,
     agreements: Mapping[str, np.ndarray] | None = None,
-    rate: float = 1.0,
 ) -> dict[str, np.ndarray]:
     r"""Weighted mean of the sites' deltas through conflict-aware server momentum.
 
@@ -346,8 +333,7 @@ def conflict_momentum_aggregate(
     from conflicting ones (a separate damped buffer) routes the sites' corrections of an
     overshoot into the damped buffer while the amplified one keeps pushing — in fedind's
     default run that drove the model to chance level. The result has each array's input dtype.
-    ``agreements``: :math:`A` per name when the caller has it; ``rate``: the sites'
-    relative learning rate this round (:class:`RestartMomentum`).
+    ``agreements``: :math:`A` per name when the caller has it.
     """
     w, by_name = _per_array(deltas, weights)
     agreements = agreements if agreements is not None else {n: sign_agreement(a, w) for n, (a, _) in by_name.items()}
@@ -355,5 +341,5 @@ def conflict_momentum_aggregate(
     for name, (arrays, dtypes[name]) in by_name.items():
         means[name] = np.average(np.stack(arrays), axis=0, weights=w)
         gains[name] = agreement_gain(agreements[name], threshold, damping)
-    step = momentum.step(means, gains, agreements, rate)
+    step = momentum.step(means, gains, agreements)
     return {n: step[n].astype(dtypes[n], copy=False) for n in by_name}

@@ -115,12 +115,6 @@ class DWA(FedAvg):
     conflict_damping : float
         :math:`\gamma \in [0, 1]`, with server momentum and ``conflict_buffer``: what enters
         the buffer is scaled by :math:`\gamma + (1-\gamma)\min(1, A/\tau)` (1 = no damping).
-    rate : callable, optional
-        ``rate(server_round)``: the sites' learning rate in that round relative to their
-        first round's, in (0, 1]. The server momentum is kept in units of it and applied
-        at the round's rate (:class:`RestartMomentum`): its coasting follows the sites'
-        schedule, and it starts afresh where the schedule restarts (a new phase). None:
-        rate 1 (the buffer in step units, as FedAvgM).
     robust : CenteredClipping, optional
         Centered clipping over random buckets (:mod:`fedind.aggregation.robust`): the
         round's deltas and weights become the clipped bucket means and the bucket weights
@@ -148,7 +142,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         restart: bool = True,
         conflict_damping: float = 1.0,
         restart_agreement: float = 0.0,
-        rate: Callable[[int], float] | None = None,
         robust: CenteredClipping | None = None,
         num_classes: int | None = None,
         fraction_train: float = 1.0,
@@ -209,7 +202,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.restart = restart
         self.conflict_damping = float(conflict_damping)
         self.restart_agreement = float(restart_agreement)
-        self.rate = rate
         self.robust = robust
         # First class whose head rows are averaged over the sites holding it (average_over_holders)
         self.holder_rows_from: int | None = None
@@ -345,17 +337,11 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             scales = class_row_scales(weights, [u.histogram for u in updates])
             scales[:, : self.holder_rows_from] = 1.0  # older classes: the site weights
             deltas = scale_rows(deltas, scales, [n for n in (HEAD_WEIGHT, HEAD_BIAS) if n in current])
-        rate = 1.0 if self.rate is None else float(self.rate(server_round))
-        if self.rate is not None and server_round > 1 and rate > self.rate(server_round - 1):
-            # the sites' schedule restarted (a new phase): what the buffer gathered, in units
-            # of the old rate, was for the old conditions; applied at the new full rate it
-            # would kick the model along the last phase's direction
-            self.server_buffer = self._new_server_buffer()
         if self.robust is not None:  # each bucket's pull bounded around the server's history
             deltas, weights = self.robust.transform(deltas, weights, server_round)
         if self.conflict_buffer and isinstance(self.server_buffer, RestartMomentum):
             step = conflict_momentum_aggregate(
-                deltas, weights, self.server_buffer, self.threshold, self.conflict_damping, agreements, rate
+                deltas, weights, self.server_buffer, self.threshold, self.conflict_damping, agreements
             )
         elif self.conflict_buffer:
             step = conflict_aware_aggregate(deltas, weights, self.buffer, self.threshold, agreements)
@@ -364,8 +350,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
                 name: np.average(np.stack([d[name] for d in deltas]), axis=0, weights=weights)
                 for name in current
             }
-            if self.server_buffer is not None:  # the heavy ball in units of the sites' rate, as RestartMomentum
-                step = {n: rate * u for n, u in self.server_buffer.step({n: d / rate for n, d in step.items()}).items()}
+            if self.server_buffer is not None:
+                step = self.server_buffer.step(step)
         new = ArrayRecord(
             {name: Array(_cast_like(current[name] + step[name], current[name].dtype)) for name in current}
         )

@@ -166,7 +166,6 @@ def build_strategy(config: RunConfig, num_sites: int, num_classes: int | None = 
             restart=config.server_restart,
             conflict_damping=config.conflict_damping,
             restart_agreement=config.restart_agreement,
-            rate=config.site_rate if config.momentum_follows_lr else None,
             robust=CenteredClipping(config.cclip_radius, config.cclip_bucket, beta=config.dwa_momentum, seed=config.seed)
             if config.cclip_radius > 0 else None,
             num_classes=num_classes,
