@@ -7,7 +7,8 @@ one line; one line off the network for ``ABSENT_ROUNDS``; every byte on the wire
 
 Variants (``VARIANTS``; the recipe is the pyproject defaults, ``strategy = "fedind"``):
 - Flower's FedAvg, FedAvgM, FedProx, FedAdam, FedMedian, FedTrimmedAvg: dense both ways, no
-  replay, no EWC (federated fine-tuning);
+  replay, no EWC (federated fine-tuning), fedind's default local training (2 epochs a round;
+  the recipe trains 3), and ``FedAvg-3ep``: FedAvg with the recipe's 3;
 - each fedind part alone on top of FedAvgM (``FedAvgM+<part>``);
 - the recipe, and the recipe without each part (``recipe-<part>``).
 
@@ -23,7 +24,8 @@ same bar for every variant). Means over seeds with the spread, per-seed rows in 
     python simulations/plant.py --alphas 0.1 --seeds 0 --variants FedAvgM recipe  # a quick look
     python simulations/plant.py --family gearbox --alphas 0.1 --seeds 5 6       # the second data family
 
-Extra ``key=value`` arguments override the run config of every run. Writes
+Extra ``key=value`` arguments override the run config of every run (but not a key the
+variant sets itself, e.g. the built-ins' ``local-epochs``). Writes
 OUT/{results.json,table.md,config.json,plant.png}; runs go to OUT/runs/<variant>-a<alpha>-s<seed>
 and finished runs are reused, so an interrupted benchmark resumes where it stopped.
 """
@@ -55,7 +57,10 @@ SCENARIO = {"num-sites": 10}  # the rest (phases, drift, rounds) is the default 
 ABSENT_SITE = 3  # partition id of the line that goes off the network...
 ABSENT_ROUNDS = range(8, 15)  # ...for these rounds (phase 0, before the target is usually reached)
 
-DENSE = {"compression": "none", "downlink": "none", "replay_samples": 0, "ewc_lambda": 0.0}
+# Flower's built-ins as a plant would run them: fedind's default site training (RunConfig's
+# local-epochs, 2; the recipe trains 3), dense both ways, no replay, no EWC.
+DENSE = {"local_epochs": RunConfig.local_epochs, "compression": "none", "downlink": "none", "replay_samples": 0,
+         "ewc_lambda": 0.0}
 BUILTINS = {
     "FedAvg": {"strategy": "fedavg", **DENSE},
     "FedAvgM": {"strategy": "fedavgm", **DENSE},
@@ -63,6 +68,7 @@ BUILTINS = {
     "FedAdam": {"strategy": "fedadam", **DENSE},
     "FedMedian": {"strategy": "fedmedian", **DENSE},
     "FedTrimmedAvg": {"strategy": "fedtrimmedavg", **DENSE},
+    "FedAvg-3ep": {"strategy": "fedavg", **DENSE, "local_epochs": 3},  # FedAvg with the recipe's local work
 }
 # A part removed from the recipe, and the same part added to dense FedAvgM fine-tuning.
 PARTS = {
