@@ -392,8 +392,12 @@ class UpdateScreen:
     :func:`label_alignment` (``alignment_decay``, over the rounds it sent a histogram and
     ``bias_name``) is below this, from its ``alignment_warmup``-th such round on, is
     rejected, and stays rejected for the rest of the run (``alignment_release`` None) or
-    until its mean is back at ``alignment_release`` or above. The records survive a resume
-    through :meth:`state_dict`.
+    until its mean is back at ``alignment_release`` or above. ``consensus_threshold``: the
+    consensus rule (None: off): a site whose decayed mean cosine to the round's median update
+    is below 0 is weighed down (:func:`consensus_weight`) and clipped to the median norm, and
+    below this threshold rejected for the round. Both records use ``alignment_decay`` and
+    ``alignment_warmup``, so both judge a site over the same recent rounds. The records
+    survive a resume through :meth:`state_dict`.
     """
 
     def __init__(self, num_classes: int | None = None, *, z: float = 3.5, min_ratio: float = 10.0,
