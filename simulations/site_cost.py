@@ -89,11 +89,11 @@ def _child(args: argparse.Namespace) -> None:
         from flwr.proto.message_pb2 import Message as ProtoMessage
         from flwr.supercore.task_identity import TaskIdentity
 
+        from fedind.wire import stamp_message_id  # the tree's fedind (imported above), before the clock starts
+
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = 1, 7, 1
         handler_start = time.time()
         message = message_from_proto(ProtoMessage.FromString(Path(args.message).read_bytes()))
-        from fedind.wire import stamp_message_id
-
         stamp_message_id(message, message.object_id)
         agent.app(message, _context(args))
         marks["message done"] = time.time() - args.t0

@@ -136,20 +136,17 @@ def fit_new_rows(
     offsets = torch.full((num_classes - old,), float(bias.min()), dtype=torch.float64, requires_grad=True)
     if row_norm is None:
         free = torch.zeros(num_classes - old, dim, dtype=torch.float64, requires_grad=True)
-        decay = weight_decay
-
-        def rows() -> torch.Tensor:
-            return free
     else:
         if not (math.isfinite(row_norm) and row_norm > 0):
             raise ValueError(f"Invalid row_norm: {row_norm!r}")
         start = torch.stack([h[y == k].mean(dim=0) if bool((y == k).any()) else h.mean(dim=0)
                              for k in range(old, num_classes)])
         free = (start + 1e-6).clone().requires_grad_(True)  # + 1e-6: never the zero vector
-        decay = 0.0
+    decay = weight_decay if row_norm is None else 0.0
 
-        def rows() -> torch.Tensor:
-            return row_norm * free / free.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    def rows() -> torch.Tensor:
+        """The new rows: the free parameters, or their directions at ``row_norm``."""
+        return free if row_norm is None else row_norm * free / free.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
     optimizer = torch.optim.LBFGS([free, offsets], max_iter=200, line_search_fn="strong_wolfe")
 
