@@ -1,0 +1,14 @@
+"""The plant benchmark's own measures (simulations/plant.py)."""
+
+import numpy as np
+
+from simulations.plant import precision_from
+
+
+def test_new_class_precision_counts_every_diagnosis_of_the_new_classes():
+    """Rows: true class; columns: diagnosis. Class 2 is new: 3 windows of it called 2, and
+    1 of class 0 plus 2 of class 1 called 2 too, so 3 of 6 diagnoses of it are right."""
+    confusion = np.array([[5, 0, 1], [0, 4, 2], [1, 0, 3]])
+    assert precision_from(confusion, 2) == 0.5
+    assert precision_from(confusion, 1) == 9 / 10  # classes 1 and 2 together: a 1 called 2 is within them
+    assert precision_from(np.array([[5, 0], [3, 0]]), 1) is None  # never diagnosed: no precision
