@@ -51,7 +51,7 @@ from simulations.common import finished, parse_overrides, pyproject_run_config, 
 
 from fedind import wire  # noqa: E402
 from fedind.site.app import site_app  # noqa: E402
-from fedind.config import RunConfig  # noqa: E402
+from fedind.config import RECIPE, RunConfig  # noqa: E402
 from fedind.continual.phases import known  # noqa: E402
 from fedind.data.sources import phase_test_set  # noqa: E402
 from fedind.edge.predict import load_model  # noqa: E402
@@ -74,7 +74,7 @@ BUILTINS = {
     "FedAdam": {"strategy": "fedadam", **DENSE},
     "FedMedian": {"strategy": "fedmedian", **DENSE},
     "FedTrimmedAvg": {"strategy": "fedtrimmedavg", **DENSE},
-    "FedAvg-3ep": {"strategy": "fedavg", **DENSE, "local_epochs": 3},  # FedAvg with the recipe's local work
+    f"FedAvg-{RECIPE['local_epochs']}ep": {"strategy": "fedavg", **DENSE, "local_epochs": RECIPE["local_epochs"]},  # FedAvg with the recipe's local work
 }
 # A part removed from the recipe, and the same part added to dense FedAvgM fine-tuning.
 PARTS = {
