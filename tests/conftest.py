@@ -1,5 +1,6 @@
 """Shared pytest fixtures."""
 
+import logging
 import os
 
 # One thread per process for torch's OpenMP and for BLAS, in this process and in every
@@ -21,6 +22,17 @@ def flower_task_identity(monkeypatch):
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+@pytest.fixture
+def flwr_log(caplog, monkeypatch):
+    """caplog on Flower's logger, directly: Flower's simulation turns its propagation off."""
+    logger = logging.getLogger("flwr")
+    monkeypatch.setattr(logger, "propagate", False)  # each record reaches caplog once
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="flwr")
+    yield caplog
+    logger.removeHandler(caplog.handler)
 
 
 # --------------------------------------------------------------------------- the suite's one Ray start

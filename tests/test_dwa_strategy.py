@@ -36,17 +36,6 @@ def task_identity(monkeypatch):
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
 
 
-@pytest.fixture
-def flwr_log(caplog, monkeypatch):
-    """caplog on Flower's logger, directly: Flower's simulation turns its propagation off."""
-    logger = logging.getLogger("flwr")
-    monkeypatch.setattr(logger, "propagate", False)  # each record reaches caplog once
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="flwr")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 class FakeGrid:
     """All ``FedAvg.configure_train`` needs of a Grid."""
 

@@ -518,10 +518,10 @@ def test_a_low_label_alignment_alone_does_not_ban_a_site_whose_update_goes_with_
     assert "node-6" in against.flagged
 
 
-def test_a_site_a_little_against_the_median_is_weighed_down_and_no_longer_than_the_median_update():
+def test_a_site_a_little_against_the_median_is_weighed_down_and_no_longer_than_the_median_update(flwr_log):
     """Five sites along +1 and a sixth 3.8 times as long at cosine -0.1 to them, round after
     round: from its third round it is accepted, scaled to the median norm times
-    1 - mean / threshold (0.6 at a threshold of -0.25)."""
+    1 - mean / threshold (0.6 at a threshold of -0.25), and the log says so."""
     screen = UpdateScreen(num_classes=3, consensus_threshold=-0.25)
     instructions = {node: instruction(node) for node in range(1, 7)}
     size = sum(v.size for v in GLOBAL.values())
@@ -539,3 +539,4 @@ def test_a_site_a_little_against_the_median_is_weighed_down_and_no_longer_than_t
     got = [np.asarray(out[5].content.array_records["arrays"][k].numpy(), np.float64) - GLOBAL[k] for k in GLOBAL]
     norm = np.sqrt(sum(float((d**2).sum()) for d in got))
     assert norm == pytest.approx(0.6 * 0.01 * np.sqrt(size), rel=1e-3)
+    assert "update of site node-6 weighed down to" in flwr_log.text and "runs against the round's median" in flwr_log.text

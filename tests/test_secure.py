@@ -10,7 +10,6 @@ side never loads the private key. One short simulation (Ray) checks the same end
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -59,16 +58,6 @@ def site_side(monkeypatch, key_files):
     monkeypatch.setattr(keys.PrivateKey, "__init__", guarded_init)
     monkeypatch.setattr(keys, "_read_key_file", guarded_read)
     return state
-
-
-@pytest.fixture
-def flwr_logs(caplog, monkeypatch):
-    logger = logging.getLogger("flwr")
-    monkeypatch.setattr(logger, "propagate", False)
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="flwr")
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def arrays(seed: int, scale: float = 1.0) -> dict:
@@ -267,7 +256,7 @@ def plaintext(reply: Message) -> Message:
         (wrong_size, "truncated or padded"),
     ],
 )
-def test_bad_encrypted_replies_become_logged_failures_and_the_round_goes_on(key_files, site_side, flwr_logs, cheat, reason):
+def test_bad_encrypted_replies_become_logged_failures_and_the_round_goes_on(key_files, site_side, flwr_log, cheat, reason):
     cfg = config(key_files, num_sites=4)
     strategy, pipeline = encrypted_server(cfg, num_sites=4, num_classes=3)
     g = arrays(3)
@@ -276,7 +265,7 @@ def test_bad_encrypted_replies_become_logged_failures_and_the_round_goes_on(key_
     new, _, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
     assert len(traffic.failures) == 1 and "rejected encrypted update" in traffic.failures[0]
     assert reason in traffic.failures[0]
-    assert reason in " ".join(r.getMessage() for r in flwr_logs.records)  # the server logs why
+    assert reason in " ".join(r.getMessage() for r in flwr_log.records)  # the server logs why
     # the three good sites are aggregated without the bad one
     assert close(new, oracle(g, locals_[:3], packing.integer_weights([30, 10, 60]))) <= packing.quantisation_bound(CLIP) + 1e-6
 
@@ -308,7 +297,7 @@ def lie(key, site_side, levels_of_slot_0: int):
     ],
 )
 def test_a_lying_site_makes_the_round_refused_with_a_logged_reason_and_the_next_round_goes_on(
-    key_files, site_side, flwr_logs, slot_0, reason
+    key_files, site_side, flwr_log, slot_0, reason
 ):
     key, _, _ = key_files
     cfg = config(key_files)
@@ -321,7 +310,7 @@ def test_a_lying_site_makes_the_round_refused_with_a_logged_reason_and_the_next_
     new, metrics, traffic = run_round(strategy, pipeline, grid, g, cfg)
     assert new is None and metrics is None  # the wrapped strategy keeps the model it had
     assert grid.queries == [1, 2] and strategy.refused_rounds == 1  # two decrypting sites agree
-    logged = " ".join(r.getMessage() for r in flwr_logs.records)
+    logged = " ".join(r.getMessage() for r in flwr_log.records)
     assert "encrypted round 1: refused the aggregate: 2 decrypting site(s) found a sum honest sites cannot produce" in logged
     assert reason in logged and "one of the sites ['line-1', 'line-2', 'line-3']" in logged
     assert any("refused the decrypted sum" in f for f in traffic.failures)
@@ -375,7 +364,7 @@ def test_a_failed_decrypt_query_goes_to_the_next_site(key_files, site_side):
     assert any("no reply" in f for f in traffic.failures)
 
 
-def test_fewer_than_two_valid_updates_are_not_decrypted(key_files, site_side, flwr_logs):
+def test_fewer_than_two_valid_updates_are_not_decrypted(key_files, site_side, flwr_log):
     cfg = config(key_files)
     strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
     g = arrays(6)
@@ -384,7 +373,7 @@ def test_fewer_than_two_valid_updates_are_not_decrypted(key_files, site_side, fl
     grid = SiteGrid(sites, site_side)
     new, _, _ = run_round(strategy, pipeline, grid, g, cfg)
     assert new is None and grid.queries == []
-    assert "fewer than 2 sites is not decrypted" in " ".join(r.getMessage() for r in flwr_logs.records)
+    assert "fewer than 2 sites is not decrypted" in " ".join(r.getMessage() for r in flwr_log.records)
 
 
 def test_the_decrypting_site_refuses_an_aggregate_of_one_site(key_files, site_side):
@@ -600,7 +589,7 @@ def extra_ciphertext(reply: Message, key) -> Message:
     ],
 )
 def test_a_payload_of_the_wrong_set_or_size_is_a_logged_failure_and_the_round_goes_on(
-    key_files, site_side, flwr_logs, cheat, reason
+    key_files, site_side, flwr_log, cheat, reason
 ):
     cfg = sparse_config(key_files)
     strategy, pipeline = encrypted_server(cfg, num_sites=4, num_classes=3)
@@ -610,7 +599,7 @@ def test_a_payload_of_the_wrong_set_or_size_is_a_logged_failure_and_the_round_go
     new, _, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
     assert len(traffic.failures) == 1 and "rejected encrypted update" in traffic.failures[0]
     assert reason in traffic.failures[0]
-    assert reason in " ".join(r.getMessage() for r in flwr_logs.records)
+    assert reason in " ".join(r.getMessage() for r in flwr_log.records)
     assert new is not None  # the three good sites are aggregated
     assert metrics_sites(strategy, new, g) == 35
 

@@ -117,7 +117,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from logging import WARNING
+from logging import INFO, WARNING
 from numbers import Real
 from typing import NamedTuple
 
@@ -507,6 +507,9 @@ class UpdateScreen:
                 else:  # weighed down linearly to the threshold, and no longer than the median update
                     factor = consensus_weight(record.mean, self.consensus_threshold) * float(to_median[i])
                     factors[i] = min(factor, factors.get(i, 1.0))
+                    log(INFO, "update of site %s weighed down to %.3g: it runs against the round's median update "
+                        "(decayed mean cosine %.2f over %d rounds, this round %.2f; dropped below %g)",
+                        updates[i].site_id, factor, record.mean, record.rounds, record.cosine, self.consensus_threshold)
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
                 factors[i] = min(factor, factors.get(i, 1.0))
