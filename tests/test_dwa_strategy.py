@@ -16,7 +16,6 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedind import wire
 from fedind.aggregation.conflicts import RestartMomentum
@@ -29,11 +28,8 @@ from fedind.server.dwa import DWA
 
 
 @pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    """Messages stamp run/node/task ids from TaskIdentity, which a Flower runtime sets."""
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+def task_identity(flower_task_identity):
+    """Every test here builds Messages: conftest's ``flower_task_identity`` for all of them."""
 
 
 class FakeGrid:
