@@ -27,7 +27,7 @@ STRATEGIES = (
 )
 DWA_STRATEGIES = ("fedind", "dwa")
 EWC_ANCHORS = ("phase-end", "global")  # what the EWC penalty holds the kept coordinates near (fedind.continual.ewc)
-YOUNG_ROWS = ("refit", "holders", "as-made")  # how a grown class's head rows learn in its phase (fedind.continual.phases)
+YOUNG_ROWS = ("refit", "holders")  # how a grown class's head rows learn in its phase (fedind.continual.phases)
 COMPRESSIONS = ("none", "topk")
 TOPK_ALLOCATIONS = ("model", "tensor", "mixed")  # how a top-k budget is shared between arrays (fedind.topk.selection.allocated_topk)
 ENCRYPTIONS = ("none", "paillier")
@@ -127,7 +127,7 @@ class RunConfig:
     ewc_keep: float = 1.0  # EWC: share of the Fisher's coordinates kept at each consolidation (the largest; 1 = all)
     ewc_fade_rounds: int = 0  # EWC's weight fades linearly to 0 over this many rounds after each phase end (0 = constant)
     ewc_anchor: str = "phase-end"  # EWC anchors: phase-end (the model at the last phase end) | global (the model each round starts from)
-    young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa averages them over its holders; other strategies refit) | as-made (as holders, sent every round and applied as the holders made them: no uplink gain, no server momentum)
+    young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa averages them over its holders; other strategies refit)
 
     def __post_init__(self) -> None:
         checks = {
@@ -300,15 +300,14 @@ class RunConfig:
         bias) in every sparse update, ahead of the largest values: without it the row's small
         per-round changes wait in the residual and arrive in bursts, which the server momentum
         carries past the decision boundary (docs/benchmarks/plant.md)."""
-        sent = self.topk_young_rows or self.young_rows == "as-made"
-        return sent and self.compression == "topk" and not self.refits_young_rows
+        return self.topk_young_rows and self.compression == "topk" and not self.refits_young_rows
 
     @property
     def refits_young_rows(self) -> bool:
         """Whether the holders of a class grown in this phase refit its head rows every round
         (fedind.continual.phases). ``young-rows = holders`` averages them over the holders instead,
         which only DWA can; with another strategy they are refit."""
-        return not (self.young_rows in ("holders", "as-made") and self.strategy in DWA_STRATEGIES)
+        return not (self.young_rows == "holders" and self.strategy in DWA_STRATEGIES)
 
     def phase_end_rounds(self) -> tuple[int, ...]:
         """The last round of every phase but the last: after it the sites consolidate."""

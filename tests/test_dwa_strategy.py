@@ -599,27 +599,6 @@ def test_rows_from_average_over_holders_follow_the_sites_holding_each_class():
     np.testing.assert_allclose(as_numpy(arrays)["head.bias"], [2.0, 2.0, 2.0])
 
 
-def test_young_rows_as_made_take_the_holders_change_without_gain_or_momentum():
-    """average_over_holders(2, as_made_gain=2): class 2's rows move by the holder's delta
-    over 2 in every round, whatever the heavy ball holds; older rows go through it."""
-    head = {"head.weight": np.zeros((3, 2), np.float32), "head.bias": np.zeros(3, np.float32)}
-    strategy = dwa(weighting=False, conflict_buffer=True, server_momentum=0.9)
-    strategy.average_over_holders(2, as_made_gain=2.0)
-    current = head
-    for server_round in (1, 2, 3):
-        sites = [Site({k: v + 1.0 for k, v in current.items()}, 10, [5, 3, 2], "a"),
-                 Site({k: v + 3.0 for k, v in current.items()}, 10, [5, 5, 0], "b")]
-        arrays, _, _ = run_round(strategy, current, sites, server_round)
-        got = as_numpy(arrays)
-        np.testing.assert_allclose(got["head.bias"][2] - current["head.bias"][2], 0.5)  # 1.0 / 2, every round
-        np.testing.assert_allclose(got["head.weight"][2] - current["head.weight"][2], [0.5, 0.5])
-        current = got
-    assert current["head.bias"][0] > 3 * 2.0  # the older rows' steps grow with the momentum
-    assert not np.any(strategy.server_buffer.state_dict()["buffers"]["head.bias"][2])
-    with pytest.raises(ValueError, match="as_made_gain"):
-        strategy.average_over_holders(2, as_made_gain=0.0)
-
-
 def test_a_site_that_trained_on_no_windows_carries_no_weight(flwr_log):
     """num-examples 0 (its classes all new to the head): skipped, said at INFO, not a fault."""
     base = {"head.bias": np.zeros(3, np.float32)}

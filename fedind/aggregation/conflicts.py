@@ -135,12 +135,6 @@ class MomentumBuffer:
             out[name] = np.asarray((self.lr_scale * (1.0 - self.beta)) * v)
         return out
 
-    def clear_rows(self, name: str, rows: slice) -> None:
-        """Drop what the buffer holds for ``rows`` (first axis) of array ``name``: steps
-        that are taken outside the momentum carry none into later rounds."""
-        if name in self._buffers:
-            self._buffers[name][rows] = 0
-
     def state_dict(self) -> dict:
         """``{"buffers": {name: ndarray}}`` (copies). Hyperparameters come from the config."""
         return {"buffers": {k: v.copy() for k, v in self._buffers.items()}}

@@ -133,9 +133,7 @@ class PhaseController:
         round (:meth:`train_records`; ``refit``, and every other strategy)."""
         self.young_from = first
         if not self.config.refits_young_rows:
-            as_made = self.config.young_rows == "as-made"
-            gain = self.config.topk_gain if self.config.compression == "topk" else 1.0
-            self.strategy.average_over_holders(first, as_made_gain=gain if as_made else None)
+            self.strategy.average_over_holders(first)
 
     def _ewc_records(self) -> dict[str, ArrayRecord]:
         if self.ewc is None or not self.ewc.phases:

@@ -205,7 +205,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self.robust = robust
         # First class whose head rows are averaged over the sites holding it (average_over_holders)
         self.holder_rows_from: int | None = None
-        self.as_made_gain: float | None = None  # those rows applied as made: the uplink gain undone, no momentum
         self.server_buffer = self._new_server_buffer()
         self._fallback_logged = False
 
@@ -219,24 +218,16 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             )
         return heavy_ball(self.server_momentum)
 
-    def average_over_holders(self, first: int | None, as_made_gain: float | None = None) -> None:
+    def average_over_holders(self, first: int | None) -> None:
         """From the next round, average the head rows of classes ``first`` on over the sites
         that hold each class (:func:`~fedind.aggregation.weighting.class_row_scales`), the others over
         all sites; None: all over all sites. For the rows a phase grew (``young-rows =
         holders``): averaged over all sites, the one line that holds a new class moves its
         row by its share of the weights, and a site without the class sends that row almost
-        no gradient under logit adjustment.
-
-        ``as_made_gain`` (``young-rows = as-made``): those rows take their holders' mean
-        change as the holders made it, the uplink's gain (this factor) undone and outside
-        the server momentum: the heavy ball carried a row that one line teaches past the
-        decision boundary and back (docs/benchmarks/plant.md)."""
+        no gradient under logit adjustment."""
         if first is not None and not (_is_int(first) and first >= 0):
             raise ValueError(f"Invalid first class: {first!r}")
-        if as_made_gain is not None and not (_is_real(as_made_gain) and as_made_gain > 0):
-            raise ValueError(f"Invalid as_made_gain: {as_made_gain!r}")
         self.holder_rows_from = first
-        self.as_made_gain = None if first is None or as_made_gain is None else float(as_made_gain)
 
     def follow_global_model(
         self, arrays: ArrayRecord, edit: Callable[[dict], dict] | None = None, num_classes: int | None = None
@@ -361,8 +352,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
             }
             if self.server_buffer is not None:
                 step = self.server_buffer.step(step)
-        if self.as_made_gain is not None and self.holder_rows_from is not None:
-            step = self._young_rows_as_made(step, deltas, weights)
         new = ArrayRecord(
             {name: Array(_cast_like(current[name] + step[name], current[name].dtype)) for name in current}
         )
@@ -378,23 +367,6 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         if isinstance(self.server_buffer, RestartMomentum):
             metrics[wire.RESTART_SHARE] = float(self.server_buffer.last_restart_share)
         return new, metrics
-
-    def _young_rows_as_made(self, step: dict, deltas: list[dict], weights: np.ndarray) -> dict:
-        """``step`` with the head rows from ``holder_rows_from`` on replaced by the holders'
-        weighted mean change over ``as_made_gain``, and those rows cleared from every
-        momentum buffer."""
-        rows = slice(self.holder_rows_from, None)
-        step = dict(step)
-        for name in (HEAD_WEIGHT, HEAD_BIAS):
-            if name not in step:
-                continue
-            made = np.average(np.stack([d[name][rows] for d in deltas]), axis=0, weights=weights) / self.as_made_gain
-            step[name] = np.array(step[name], copy=True)
-            step[name][rows] = made
-            for buffer in (self.buffer, self.server_buffer):
-                if buffer is not None:
-                    buffer.clear_rows(name, rows)
-        return step
 
     # ------------------------------------------------------------------ which updates count
 
