@@ -277,36 +277,6 @@ def test_every_allocation_sends_k_values_and_tensor_shares_reach_every_array(all
                           np.sort(np.concatenate([sparse["a"].indices, 200 + sparse["b"].indices])))
 
 
-def test_always_sent_coordinates_go_first_within_the_budget_and_the_residual_keeps_the_rest():
-    """A young class's head row (small values) is sent ahead of the largest, its zero
-    coordinate never, and the largest fill the rest of the same budget."""
-    rng = np.random.default_rng(3)
-    update = {"w": rng.standard_normal((10, 4)).astype(np.float32), "b": rng.standard_normal(10).astype(np.float32)}
-    update["w"][7] = [1e-3, 0.0, -2e-3, 1e-3]  # the small row to send every round
-    update["b"][7] = 1e-3
-    ef = ErrorFeedback(mode="int8")
-    always = {"w": np.arange(28, 32), "b": np.array([7])}
-    sparse = ef.compress(update, 0.2, always=always)  # k = 10
-    assert sum(t.count for t in sparse.values()) == 10
-    assert {28, 30, 31} <= set(sparse["w"].indices.tolist()) and 29 not in sparse["w"].indices
-    assert 7 in sparse["b"].indices
-    flat = np.abs(np.concatenate([update["w"].ravel(), update["b"].ravel()]))
-    flat[[28, 29, 30, 31, 47]] = 0
-    rest = set(np.argsort(-flat, kind="stable")[:6].tolist())
-    got = set(sparse["w"].indices.tolist()) | {40 + i for i in sparse["b"].indices.tolist()}
-    assert got == rest | {28, 30, 31, 47}
-    for name, tensor in sparse.items():  # sent + residual = update, nothing lost
-        np.testing.assert_allclose(tensor.to_dense() + ef.state_dict()["residuals"][name], update[name], atol=1e-6)
-
-
-@pytest.mark.parametrize("always, match", [({"x": [0]}, "'x' is not in the update"), ({"b": [10]}, "outside 0..9"),
-                                            ({"b": [-1]}, "outside 0..9")])
-def test_always_sent_indices_are_checked(always, match):
-    update = {"w": np.ones((10, 4), np.float32), "b": np.ones(10, np.float32)}
-    with pytest.raises(ValueError, match=match):
-        ErrorFeedback().compress(update, 0.2, always=always)
-
-
 def test_topk_never_sends_zeros_and_keeps_k_at_least_one():
     assert topk_indices(np.array([0.0, 3.0, 0.0, 1.0]), 3).tolist() == [1, 3]
     sparse = ErrorFeedback().compress({"w": np.array([0.0, 0.0, 2.0, 1.0], np.float32)}, 1e-6)

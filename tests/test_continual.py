@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvgM
 from safetensors.numpy import load_file
 
@@ -49,13 +49,11 @@ from fedind.data.drift import (
 from fedind.data.federation import FederationSpec
 from fedind.data.format import DataFormatError, SiteArrays, batch_dir, load_site, validate_phases, write_split
 from fedind.data.synthetic import NUM_CLASSES
-from fedind.continual.expansion import head_classes, head_row_indices
+from fedind.continual.expansion import head_classes
 from fedind.models import FaultCNN
 from fedind.continual.replay import ReplayBuffer
 from fedind.simulation import simulate
 from fedind.server.strategies import build_strategy, grow_strategy_classes, strategy_state
-from fedind.topk.codec import decode, expected_of, from_record
-from fedind.topk.uplink import topk_mod
 
 SMALL = FederationSpec(num_sites=3, samples_per_site=40, window=256, global_test_per_class=2, seed=0)
 DRIFT = DriftSpec(federation=SMALL, phases=3, regime_share=0.5, new_classes=1, speed_factor=1.5)
@@ -334,52 +332,6 @@ def test_the_head_grows_from_the_proposed_row_and_a_malformed_proposal_is_left_o
     assert controller.young_from == 3
     with pytest.raises(ValueError, match="young_from"):
         controller.load_state_dict({**state, "young_from": 9})
-
-
-def test_with_topk_young_rows_the_holders_send_the_young_row_every_round(flower_task_identity):
-    """The server names the phase's first young class; a site that holds it sends that
-    class's whole head row (weights and bias) in its sparse update, within the budget; a
-    site that does not hold it sends the largest values only."""
-    config = RunConfig(strategy="fedind", young_rows="holders", compression="topk", topk_young_rows=True,
-                       topk_ratio=0.05, topk_warmup_rounds=0)
-    controller = _controller(**{k: getattr(config, k) for k in ("strategy", "young_rows", "compression", "topk_young_rows")})
-    controller._set_young(3)
-    records = controller.train_records(2)
-    assert dict(records[wire.NEW_CLASSES]) == {wire.YOUNG_FROM: 3}  # not refit-from: the holders do not refit
-    plain = _controller(strategy="fedind", young_rows="holders", compression="topk")  # topk-young-rows off
-    plain._set_young(3)
-    assert wire.NEW_CLASSES not in plain.train_records(2)
-
-    rng = np.random.default_rng(0)
-    sent = {"body.weight": np.zeros((40, 8), np.float32), "head.weight": np.zeros((4, 8), np.float32),
-            "head.bias": np.zeros(4, np.float32)}
-    local = {k: v + rng.normal(size=v.shape).astype(np.float32) for k, v in sent.items()}
-    local["head.weight"][3] = sent["head.weight"][3] + 1e-4  # a change far below the cut
-    local["head.bias"][3] = 1e-4
-
-    def reply_of(histogram):
-        instruction = Message(RecordDict({
-            wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in sent.items()}),
-            wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(config.to_flower()), wire.SERVER_ROUND: 2}),
-            **records,
-        }), message_type=MessageType.TRAIN, dst_node_id=7)
-
-        def train(msg, context):
-            return Message(RecordDict({wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in local.items()}),
-                                       wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10, wire.LABEL_HISTOGRAM: histogram})}),
-                           reply_to=msg)
-
-        ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
-        reply = topk_mod(instruction, ctx, train)
-        return decode(from_record(reply.content[wire.SPARSE_UPDATE]), expected_of(sent))
-
-    holder, other = reply_of([4, 0, 3, 3]), reply_of([4, 0, 6, 0])
-    budget = round(0.05 * sum(v.size for v in sent.values()))
-    for change in (holder, other):
-        assert sum(int(np.count_nonzero(v)) for v in change.values()) <= budget
-    assert np.all(holder["head.weight"][3] != 0) and holder["head.bias"][3] != 0
-    assert not np.any(other["head.weight"][3]) and other["head.bias"][3] == 0
-    assert head_row_indices([3], 8)["head.weight"].tolist() == list(range(24, 32))
 
 
 def test_row_bounds_are_the_factor_times_the_largest_row_around_the_mean_bias():
