@@ -90,7 +90,6 @@ class RunConfig:
     topk_gain: float = 1.5  # topk, residual: the server scales each decoded sparse delta by this (not with estimate)
     topk_estimate_decay: float = 1.0  # topk, estimate: share of the EF21 estimate carried to the next round (1 = EF21)
     topk_warmup_rounds: int = 3  # topk: density falls geometrically from 1 to topk-ratio over these first rounds
-    topk_young_rows: bool = False  # topk, young-rows = holders: the holders of a class grown this phase send its head row every round (within the budget)
     downlink: str = "none"  # server -> site models: none (dense every round) | topk (sparse steps of a mirrored model; fedind.topk.downlink)
     downlink_ratio: float = 0.05  # downlink topk: share of coordinates of the model's change sent per round
     downlink_quantization: str = "int8"  # downlink topk: int8 | int4 | sign
@@ -293,14 +292,6 @@ class RunConfig:
             "alignment_release": self.alignment_release if self.alignment_release <= 1 else None,
             "consensus_threshold": None if self.consensus_threshold <= -1 else self.consensus_threshold,
         }
-
-    @property
-    def sends_young_rows(self) -> bool:
-        """Whether the holders of a class grown in this phase send its head row (weights and
-        bias) in every sparse update, ahead of the largest values: without it the row's small
-        per-round changes wait in the residual and arrive in bursts, which the server momentum
-        carries past the decision boundary (docs/benchmarks/plant.md)."""
-        return self.topk_young_rows and self.compression == "topk" and not self.refits_young_rows
 
     @property
     def refits_young_rows(self) -> bool:

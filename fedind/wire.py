@@ -67,7 +67,6 @@ NEW_CLASSES = "new-classes"
 NEW_ROWS = "rows"  # its key: the proposed head rows of those classes, then their biases, flat
 NEW_COUNTS = "counts"  # its key: the site's training windows of each of those classes
 REFIT_FROM = "refit-from"  # key of the same-named ConfigRecord in a train message: refit the rows from this class on
-YOUNG_FROM = "young-from"  # its key with topk-young-rows: the phase's young classes start here; holders send their rows every round
 REPLAY_SAMPLES = "replay-samples"  # MetricRecord key: windows in the site's replay buffer
 REPLAY_BYTES = "replay-bytes"  # MetricRecord key: bytes the site's replay buffer holds (ReplayBuffer.nbytes)
 WINDOWS_SEEN = "windows-seen"  # MetricRecord key: windows the site has had (earlier phases offered + this batch)

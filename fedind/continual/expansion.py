@@ -36,10 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = [
-    "HEAD_BIAS", "HEAD_WEIGHT", "expand_head", "head_classes", "head_row_indices", "pad_head_rows", "set_head_rows",
-    "zero_head_rows",
-]
+__all__ = ["HEAD_BIAS", "HEAD_WEIGHT", "expand_head", "head_classes", "pad_head_rows", "set_head_rows", "zero_head_rows"]
 
 HEAD_WEIGHT = "head.weight"
 HEAD_BIAS = "head.bias"
@@ -118,17 +115,6 @@ def set_head_rows(
             raise ValueError(f"Invalid row for class {k!r}: shape {row.shape} (head {weight.shape})")
         weight[k], bias[k] = row, b
     return {**state, weight_key: weight, bias_key: bias}
-
-
-def head_row_indices(classes, features: int, *, weight_key: str = HEAD_WEIGHT,
-                     bias_key: str = HEAD_BIAS) -> dict[str, np.ndarray]:
-    """Flat indices of the head rows of ``classes`` (a head of ``features`` inputs): per
-    class its ``features`` weights in ``weight_key`` and its bias in ``bias_key``."""
-    rows = np.unique(np.asarray(list(classes), dtype=np.int64))
-    if (rows.size and rows.min() < 0) or not (isinstance(features, (int, np.integer)) and features > 0):
-        raise ValueError(f"Invalid head rows: classes {rows.tolist()}, {features!r} features")
-    weights = (rows[:, None] * features + np.arange(features)).ravel()
-    return {weight_key: weights, bias_key: rows}
 
 
 def pad_head_rows(

@@ -116,15 +116,12 @@ class PhaseController:
 
     def train_records(self, server_round: int) -> dict[str, ArrayRecord | ConfigRecord]:
         """``ewc-fisher`` and ``ewc-anchors`` for every train message once a phase ended, and
-        ``new-classes`` (``refit-from``, or ``young-from`` for the holders to send them) while
-        the current phase has grown rows."""
+        ``new-classes`` (``refit-from``) while the current phase has grown rows."""
         records: dict[str, ArrayRecord | ConfigRecord] = {}
         if self.config.ewc_lambda_at(server_round):  # none while a faded penalty is off
             records.update(self._ewc_records())
         if self.young_from is not None and self.config.refits_young_rows:
             records[wire.NEW_CLASSES] = ConfigRecord({wire.REFIT_FROM: self.young_from})
-        elif self.young_from is not None and self.config.sends_young_rows:
-            records[wire.NEW_CLASSES] = ConfigRecord({wire.YOUNG_FROM: self.young_from})
         return records
 
     def _set_young(self, first: int | None) -> None:

@@ -101,15 +101,11 @@ class ErrorFeedback:
         self._residuals: dict[str, np.ndarray] = {}
         self._step = 0
 
-    def compress(self, update: Mapping[str, np.ndarray], ratio: float,
-                 always: Mapping[str, np.ndarray] | None = None) -> dict[str, SparseTensor]:
+    def compress(self, update: Mapping[str, np.ndarray], ratio: float) -> dict[str, SparseTensor]:
         """Sparsify and quantise ``update + residual``; keep what is not sent as residual.
 
-        ``always``: per array name, flat indices into that array that are sent whenever
-        they are non-zero, ahead of the largest (within the same budget ``k``; the largest
-        fill the rest). Returns one :class:`SparseTensor` per array of ``update`` (same
-        order; arrays with nothing selected have ``count == 0``). The residuals change only
-        if this succeeds.
+        Returns one :class:`SparseTensor` per array of ``update`` (same order; arrays with
+        nothing selected have ``count == 0``). The residuals change only if this succeeds.
         """
         if isinstance(ratio, bool) or not (isinstance(ratio, (int, float, np.floating)) and 0 < ratio <= 1):
             raise ValueError(f"Invalid ratio value: {ratio!r} (expected 0 < ratio <= 1)")
@@ -149,9 +145,6 @@ class ErrorFeedback:
 
         k = budget(ratio, total)
         mag = np.abs(flat)
-        if always:
-            first = priority_indices(always, names, shapes, offsets)
-            mag[first] = np.where(mag[first] > 0, np.inf, 0.0)  # selected first; zeros are never sent
         if self.threshold == "exact":
             select = topk_indices
         else:
@@ -214,24 +207,6 @@ class ErrorFeedback:
                     )
         self._residuals = loaded
         self._step = int(step)
-
-
-def priority_indices(always: Mapping[str, np.ndarray], names: list[str], shapes: list[tuple[int, ...]],
-                     offsets: np.ndarray) -> np.ndarray:
-    """The flat indices into the concatenated update of ``always`` (name -> indices into
-    that array), checked: a name the update lacks or an index out of its array's range is
-    a ValueError."""
-    position = {name: i for i, name in enumerate(names)}
-    parts = []
-    for name, indices in always.items():
-        if name not in position:
-            raise ValueError(f"Invalid always-sent array: {name!r} is not in the update")
-        i = position[name]
-        idx = np.asarray(indices, dtype=np.int64).ravel()
-        if idx.size and (idx.min() < 0 or idx.max() >= math.prod(shapes[i])):
-            raise ValueError(f"Invalid always-sent indices of {name!r}: outside 0..{math.prod(shapes[i]) - 1}")
-        parts.append(idx + offsets[i])
-    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
 
 
 def estimate_token(estimate: Mapping[str, np.ndarray]) -> str:

@@ -29,7 +29,6 @@ from .codec import PayloadError, decode, encode, expected_of, from_record, to_re
 from .feedback import ErrorFeedback, EstimateFeedback, decayed, estimate_token
 from .selection import budget, warmup_ratio
 from ..config import RunConfig
-from ..continual.expansion import HEAD_WEIGHT, head_row_indices
 
 RESIDUALS = "topk-residuals"  # context.state ArrayRecord: error-feedback residuals
 ESTIMATE = "topk-estimate"  # context.state ArrayRecord: the EF21 estimate of this site's update
@@ -84,23 +83,11 @@ def topk_mod(msg: Message, context: Context, call_next: Callable[[Message, Conte
         sparse, base = feedback.compress(delta, ratio, server_token=str(held))
         content[wire.TOPK_ESTIMATE] = ConfigRecord({wire.TOKEN: base})
     else:
-        sparse = feedback.compress(delta, ratio, always=young_rows_held(msg, reply, delta))
+        sparse = feedback.compress(delta, ratio)
     _save_feedback(context, feedback)
     content[wire.SPARSE_UPDATE] = to_record(encode(sparse))
     content[wire.METRICS][wire.COMPRESS_SECONDS] = time.process_time() - started
     return Message(content, reply_to=msg)
-
-
-def young_rows_held(msg: Message, reply: Message, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-    """The head rows this site sends in every update (``topk-young-rows``): those of the
-    phase's young classes (the server's ``young-from``) that its training windows hold;
-    None when there are none."""
-    first = msg.content.config_records.get(wire.NEW_CLASSES, {}).get(wire.YOUNG_FROM)
-    histogram = reply.content[wire.METRICS].get(wire.LABEL_HISTOGRAM)
-    if not isinstance(first, int) or isinstance(first, bool) or histogram is None or HEAD_WEIGHT not in delta:
-        return None
-    held = [c for c in range(max(first, 0), len(histogram)) if histogram[c] > 0]
-    return head_row_indices(held, delta[HEAD_WEIGHT].shape[1]) if held else None
 
 
 class RoundBudget:
