@@ -46,6 +46,7 @@ from ..continual.phases import (
     merge_row_proposals,
 )
 from ..data.format import SiteArrays
+from ..continual.calibration import calibrate_head, decode_moments, merge_moments, shrunk_covariances
 from ..continual.ewc import EWCState, server_consolidation
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT, expand_head, set_head_rows
 from ..files import atomic_write
@@ -173,6 +174,8 @@ class PhaseController:
             arrays = self.grow(server_round, arrays, claimed, {k: r for k, r in rows.items() if k >= self.num_classes})
         if self.ewc is not None and self.ewc.phases and self.config.ewc_server_lambda > 0:
             arrays = self.damp(arrays)
+        if self.config.head_calibration and server_round in self.config.phase_last_rounds():
+            arrays = self.calibrate(server_round, arrays, replies)
         if server_round in self.config.phase_end_rounds():
             phase = self.config.phase_of(server_round)
             if phase not in self.consolidated and (self.ewc is not None or self.config.replay_samples):
@@ -271,6 +274,37 @@ class PhaseController:
             else:
                 log(WARNING, "phase %d end: no site sent a valid Fisher; EWC keeps its earlier state", phase)
         self.consolidated.append(phase)
+
+    def calibrate(self, server_round: int, arrays: ArrayRecord, replies: list[Message]) -> ArrayRecord:
+        """Head calibration (``head-calibration``; :mod:`fedind.continual.calibration`): the
+        per-class feature moments that the sites sent with this round's train replies (taken
+        under the model they received, before training) merged, and the head refit on
+        virtual features drawn from them. A malformed record is logged and left out; a
+        rejected reply's is never read. With fewer than two classes described the head stays.
+        The head's momentum is cleared: it held steps towards the head that was replaced."""
+        weight, bias = arrays[HEAD_WEIGHT].numpy(), arrays[HEAD_BIAS].numpy()
+        parts = []
+        for reply in replies:
+            if reply.has_error():
+                continue
+            try:
+                parts.append(decode_moments(dict(reply.content.config_records.get(wire.FEATURE_MOMENTS) or {}),
+                                            *weight.shape))
+            except ValueError as err:
+                log(WARNING, "round %d calibration: feature moments of site %s dropped: %s", server_round,
+                    site_id_of(reply), err)
+        counts, means, scatter = merge_moments(parts, weight.shape[0]) if parts else (np.zeros(1),) * 3
+        if np.count_nonzero(counts) < 2:
+            log(WARNING, "round %d calibration: features of %d classes described; the head stays", server_round,
+                np.count_nonzero(counts))
+            return arrays
+        new_weight, new_bias = calibrate_head(weight, bias, counts, means, shrunk_covariances(counts, scatter),
+                                              seed=self.config.seed * 1_000_003 + server_round)
+        log(INFO, "round %d: head calibrated on the feature moments of %d sites (%d windows, %d classes)",
+            server_round, len(parts), int(counts.sum()), np.count_nonzero(counts))
+        edited = _record({**_numpy(arrays), HEAD_WEIGHT: new_weight, HEAD_BIAS: new_bias})
+        reset_strategy_rows(self.strategy, edited, range(weight.shape[0]))
+        return edited
 
     def _note_replay(self, site: str, metrics: Mapping) -> None:
         if wire.REPLAY_SAMPLES not in metrics:

@@ -28,6 +28,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 from .. import wire
 from ..config import RunConfig
+from ..continual.calibration import class_moments, encode_moments, window_features
 from ..continual.phases import classes_seen, evaluate_known, known, propose_new_rows
 from ..continual.site import (
     load_replay,
@@ -37,7 +38,7 @@ from ..continual.site import (
     replay_metrics,
     save_replay,
 )
-from ..data.format import DataFormatError
+from ..data.format import DataFormatError, SiteArrays
 from ..data.sources import SiteData, site_from_dir, site_from_partition
 from ..topk.downlink import downlink_mod
 from ..continual.ewc import diagonal_fisher, focus
@@ -132,6 +133,13 @@ def train(msg: Message, context: Context) -> Message:
     histogram = np.bincount(train_data.y, minlength=num_classes)
     buffer = load_replay(context, config, site.site_id, train_data, num_classes)
     replay = buffer.arrays() if buffer is not None else None
+    # A phase's last round (head-calibration): the features' moments under the model as
+    # received, for the server's refit of the head (fedind.continual.calibration).
+    moments = None
+    if config.head_calibration and server_round in config.phase_last_rounds():
+        windows = train_data if replay is None else SiteArrays(
+            np.concatenate([train_data.x, replay.x]), np.concatenate([train_data.y, replay.y]))
+        moments = class_moments(window_features(model, windows.x, device), windows.y)
     replay_ratio = config.replay_ratio if replay is not None else 0.0
     adjustment = None
     if train_data.num_examples and config.logit_adjustment:  # the prior of what the loss sees: new windows and replayed ones
@@ -184,6 +192,8 @@ def train(msg: Message, context: Context) -> Message:
     content = RecordDict(
         {wire.ARRAYS: _state(model), wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})}
     )
+    if moments is not None:
+        content[wire.FEATURE_MOMENTS] = ConfigRecord(encode_moments(moments))
     if proposal is not None:
         rows, biases, counts = proposal
         content[wire.NEW_CLASSES] = ConfigRecord(

@@ -1,0 +1,232 @@
+r"""Head calibration on virtual features (CCVR: Luo et al. 2021, "No Fear of Heterogeneity:
+Classifier Calibration for Federated Learning with Non-IID Data").
+
+Why: under strong label skew each line's local training tilts the classifier towards its
+own classes, and a class that one line holds (a new fault) has a row that only that line
+teaches while nine lines move the features under it. The feature extractor is shared and
+fine; the head is what drifts. So at the end of a phase the server refits the head, and only
+the head, on features drawn from the federation's per-class feature distribution, which the
+sites describe by moments without sending a window.
+
+**Site** (:func:`class_moments`): with the global model as received, the features
+:math:`z = \phi(x)` of its windows (this phase's and its replay buffer's), and per class it
+holds, the count :math:`n_c`, the mean :math:`\mu_c` and the covariance :math:`\Sigma_c`
+(upper triangle). Nothing per window.
+
+**Server** (:func:`merge_moments`): the moments of the union, exactly,
+
+.. math::
+
+    n_c = \sum_s n_{sc}, \quad \mu_c = \sum_s \frac{n_{sc}}{n_c} \mu_{sc}, \quad
+    S_c = \sum_s n_{sc} \big(\Sigma_{sc} + (\mu_{sc} - \mu_c)(\mu_{sc} - \mu_c)^\top\big),
+
+then (:func:`shrunk_covariances`) each class's covariance shrunk towards the pooled one,
+:math:`\hat\Sigma_c = (S_c + k \bar\Sigma) / (n_c + k)` with :math:`\bar\Sigma = \sum_c S_c /
+\sum_c n_c` and :math:`k` = the feature dimension (regularised discriminant analysis,
+Friedman 1989): a new class seen in 5 windows has a rank-4 scatter, and sampled from it
+alone its region is a needle. Chosen on selection seeds 0–4 at alpha 0.1 (final models
+calibrated after the fact: per-class covariances +1.4 points, shared +−0.3, diagonal −0.5,
+shrunk +1.6 with every seed higher; docs/benchmarks/plant.md).
+
+**Refit** (:func:`calibrate_head`): ``samples`` features per class drawn from
+:math:`\mathcal N(\mu_c, \hat\Sigma_c)` (every class alike: the plant's test is balanced),
+and the head trained on them by SGD with momentum from its current weights. Seeded: the same
+moments give the same head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = [
+    "ClassMoments", "calibrate_head", "class_moments", "decode_moments", "encode_moments", "merge_moments",
+    "shrunk_covariances", "triangle", "untriangle", "window_features",
+]
+
+SAMPLES_PER_CLASS = 1000  # virtual features per class
+STEPS = 300  # SGD steps of the refit
+BATCH = 256
+LEARNING_RATE = 0.05
+MOMENTUM = 0.9
+RIDGE = 1e-6  # added to the diagonal before sampling, relative to the mean variance
+
+
+class ClassMoments(NamedTuple):
+    """Per-class feature moments of one site (or of the federation): the classes present,
+    their counts, means ``[m, F]`` and covariances ``[m, F, F]``."""
+
+    classes: np.ndarray
+    counts: np.ndarray
+    means: np.ndarray
+    covariances: np.ndarray
+
+
+def window_features(model: nn.Module, windows: np.ndarray, device: torch.device, batch: int = 256) -> np.ndarray:
+    """The features the head sees (``model.features``), ``[N, F]`` float64, in eval mode
+    (its train/eval mode restored)."""
+    was_training = model.training
+    model.to(device).eval()
+    out = []
+    with torch.no_grad():
+        for lo in range(0, len(windows), batch):
+            x = torch.as_tensor(np.asarray(windows[lo:lo + batch]), dtype=torch.float32, device=device)
+            out.append(model.features(x).double().cpu().numpy())
+    model.train(was_training)
+    return np.concatenate(out) if out else np.zeros((0, model.head.in_features))
+
+
+def triangle(matrices: np.ndarray) -> np.ndarray:
+    """The upper triangles (diagonal included) of ``[m, F, F]`` symmetric matrices, ``[m, F(F+1)/2]``."""
+    f = matrices.shape[-1]
+    rows, cols = np.triu_indices(f)
+    return matrices[:, rows, cols]
+
+
+def untriangle(packed: np.ndarray, features: int) -> np.ndarray:
+    """:func:`triangle` undone: ``[m, F(F+1)/2]`` -> symmetric ``[m, F, F]``; ValueError on a wrong length."""
+    packed = np.asarray(packed, dtype=np.float64)
+    if packed.ndim != 2 or packed.shape[1] != features * (features + 1) // 2:
+        raise ValueError(f"Invalid packed covariances: shape {packed.shape} for {features} features")
+    rows, cols = np.triu_indices(features)
+    out = np.zeros((packed.shape[0], features, features))
+    out[:, rows, cols] = packed
+    out[:, cols, rows] = packed
+    return out
+
+
+def encode_moments(moments: ClassMoments) -> dict:
+    """The wire form (a ConfigRecord's values): ``classes`` and ``counts`` as int lists,
+    ``means`` as float32 bytes ``[m, F]``, and each covariance's upper triangle
+    ``[F(F+1)/2]`` as int8 codes (``covariances``, ``[m, F(F+1)/2]`` bytes) times its scale
+    (``scales``, float32 bytes ``[m]``: the largest magnitude / 127), little-endian. A code
+    step is under 0.4 % of the largest entry: far finer than what a few hundred windows
+    tell of a covariance (8.3 kB a class at 128 features, a quarter of float32)."""
+    packed = triangle(moments.covariances)
+    scales = np.abs(packed).max(axis=1, initial=0.0) / 127 if packed.size else np.zeros(0)
+    codes = np.round(np.divide(packed, scales[:, None], out=np.zeros_like(packed), where=scales[:, None] > 0))
+    return {
+        "classes": [int(c) for c in moments.classes],
+        "counts": [int(n) for n in moments.counts],
+        "means": np.ascontiguousarray(moments.means, dtype="<f4").tobytes(),
+        "scales": np.ascontiguousarray(scales, dtype="<f4").tobytes(),
+        "covariances": codes.astype(np.int8).tobytes(),
+    }
+
+
+def decode_moments(values, num_classes: int, features: int) -> ClassMoments:
+    """:func:`encode_moments` undone and checked (ValueError naming the fault): distinct
+    classes of a head of ``num_classes``, counts >= 1, finite means and covariances of
+    ``features`` features, variances >= 0."""
+    try:
+        keys = set(values)
+    except TypeError:
+        keys = set()
+    if keys != {"classes", "counts", "means", "scales", "covariances"}:
+        raise ValueError(f"expected classes, counts, means, scales, covariances, got {sorted(map(str, keys))}")
+    classes, counts = values["classes"], values["counts"]
+    if not (isinstance(classes, list) and isinstance(counts, list) and len(classes) == len(counts)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in classes + counts)):
+        raise ValueError("classes and counts must be int lists of one length")
+    m, tri = len(classes), features * (features + 1) // 2
+    if len(set(classes)) != m or any(not 0 <= c < num_classes for c in classes) or any(n < 1 for n in counts):
+        raise ValueError(f"classes {classes} (a head of {num_classes}), counts {counts}")
+    means, scales, packed = values["means"], values["scales"], values["covariances"]
+    for name, value, size in (("means", means, 4 * m * features), ("scales", scales, 4 * m), ("covariances", packed, m * tri)):
+        if not (isinstance(value, bytes) and len(value) == size):
+            raise ValueError(f"{name}: expected {size} bytes for {m} classes of {features} features")
+    means = np.frombuffer(means, dtype="<f4").reshape(m, features).astype(np.float64)
+    scales = np.frombuffer(scales, dtype="<f4").astype(np.float64)
+    if not (np.all(np.isfinite(means)) and np.all(np.isfinite(scales)) and np.all(scales >= 0)):
+        raise ValueError("means and scales must be finite, scales >= 0")
+    codes = np.frombuffer(packed, dtype=np.int8).reshape(m, tri)
+    if np.any(codes == -128):
+        raise ValueError("covariance codes must lie in -127..127")
+    packed = codes.astype(np.float64) * scales[:, None]
+    covariances = untriangle(packed, features)
+    if np.any(np.diagonal(covariances, axis1=1, axis2=2) < 0):
+        raise ValueError("a negative variance")
+    return ClassMoments(np.asarray(classes, dtype=np.int64), np.asarray(counts, dtype=np.int64), means, covariances)
+
+
+def class_moments(features: np.ndarray, labels: np.ndarray) -> ClassMoments:
+    """The moments of ``features`` ``[N, F]`` per label present (population covariance)."""
+    z = np.asarray(features, dtype=np.float64)
+    y = np.asarray(labels)
+    if z.ndim != 2 or y.shape != (z.shape[0],):
+        raise ValueError(f"Invalid features / labels: shapes {z.shape} and {y.shape}")
+    classes = np.unique(y).astype(np.int64)
+    counts = np.array([np.count_nonzero(y == c) for c in classes], dtype=np.int64)
+    means = np.stack([z[y == c].mean(axis=0) for c in classes]) if classes.size else np.zeros((0, z.shape[1]))
+    covariances = np.stack([np.cov(z[y == c], rowvar=False, bias=True).reshape(z.shape[1], z.shape[1])
+                            for c in classes]) if classes.size else np.zeros((0, z.shape[1], z.shape[1]))
+    return ClassMoments(classes, counts, means, covariances)
+
+
+def merge_moments(parts: Sequence[ClassMoments], num_classes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The union's ``(counts [C], means [C, F], scatter [C, F, F])`` (scatter = count times
+    covariance); classes no part holds have count 0, mean 0 and scatter 0."""
+    if not parts:
+        raise ValueError("no moments to merge")
+    f = parts[0].means.shape[1]
+    counts = np.zeros(num_classes)
+    sums = np.zeros((num_classes, f))
+    for p in parts:
+        counts[p.classes] += p.counts
+        sums[p.classes] += p.counts[:, None] * p.means
+    means = np.divide(sums, counts[:, None], out=np.zeros_like(sums), where=counts[:, None] > 0)
+    scatter = np.zeros((num_classes, f, f))
+    for p in parts:
+        gap = p.means - means[p.classes]
+        scatter[p.classes] += p.counts[:, None, None] * (p.covariances + gap[:, :, None] * gap[:, None, :])
+    return counts, means, scatter
+
+
+def shrunk_covariances(counts: np.ndarray, scatter: np.ndarray, strength: float | None = None) -> np.ndarray:
+    r"""Per class :math:`(S_c + k \bar\Sigma) / (n_c + k)`, :math:`\bar\Sigma` the pooled
+    within-class covariance and ``strength`` :math:`k` (None: the feature dimension)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if not counts.sum() > 0:
+        raise ValueError("no features to estimate a covariance from")
+    k = float(scatter.shape[-1] if strength is None else strength)
+    pooled = scatter.sum(axis=0) / counts.sum()
+    return (scatter + k * pooled) / (counts + k)[:, None, None]
+
+
+def calibrate_head(weight: np.ndarray, bias: np.ndarray, counts: np.ndarray, means: np.ndarray,
+                   covariances: np.ndarray, *, seed: int = 0, samples: int = SAMPLES_PER_CLASS,
+                   steps: int = STEPS) -> tuple[np.ndarray, np.ndarray]:
+    """The head ``(weight [C, F], bias [C])`` refit on ``samples`` virtual features per class
+    with a count above 0, drawn from ``N(means[c], covariances[c])``; classes without features
+    keep their rows only as competitors (no samples of theirs). float32 out, as in."""
+    c_all, f = weight.shape
+    present = np.flatnonzero(np.asarray(counts) > 0)
+    if present.size < 2:
+        raise ValueError(f"head calibration needs features of two classes or more, got {present.size}")
+    rng = np.random.default_rng(seed)
+    ridge = RIDGE * max(float(np.mean([np.trace(covariances[c]) / f for c in present])), 1e-12)
+    zs, ys = [], []
+    for c in present:  # N(mu, Sigma) through Sigma's eigenvectors, its eigenvalues floored at the ridge (PSD after rounding)
+        values, vectors = np.linalg.eigh((covariances[c] + covariances[c].T) / 2)
+        root = vectors * np.sqrt(np.maximum(values, ridge))
+        zs.append(means[c] + rng.standard_normal((samples, f)) @ root.T)
+        ys.append(np.full(samples, c))
+    z = torch.as_tensor(np.concatenate(zs), dtype=torch.float32)
+    y = torch.as_tensor(np.concatenate(ys))
+    head = nn.Linear(f, c_all)
+    with torch.no_grad():
+        head.weight.copy_(torch.as_tensor(weight, dtype=torch.float32))
+        head.bias.copy_(torch.as_tensor(bias, dtype=torch.float32))
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.SGD(head.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    for _ in range(steps):
+        batch = torch.randint(0, len(y), (BATCH,), generator=generator)
+        loss = nn.functional.cross_entropy(head(z[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.weight.detach().numpy().astype(np.float32), head.bias.detach().numpy().astype(np.float32)
