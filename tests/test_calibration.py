@@ -1,0 +1,153 @@
+"""Head calibration on virtual features (fedind.continual.calibration): moments, merging,
+the wire form, the refit, and the server's use of train replies (fedind.server.continual)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from fedind import wire
+from fedind.continual.calibration import (
+    calibrate_head,
+    class_moments,
+    decode_moments,
+    encode_moments,
+    merge_moments,
+    shrunk_covariances,
+    triangle,
+    untriangle,
+)
+
+
+def _blobs(rng, centres, n, spread=0.5):
+    z = np.concatenate([c + spread * rng.standard_normal((n, len(c))) for c in centres])
+    return z, np.repeat(np.arange(len(centres)), n)
+
+
+def test_merged_moments_are_those_of_the_union():
+    """Sites' per-class moments merge into exactly the moments of all their windows."""
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((200, 5)) + np.arange(5)
+    y = rng.integers(0, 4, 200)
+    parts = [class_moments(z[:70], y[:70]), class_moments(z[70:150], y[70:150]), class_moments(z[150:], y[150:])]
+    counts, means, scatter = merge_moments(parts, num_classes=6)
+    whole = class_moments(z, y)
+    np.testing.assert_array_equal(counts[:4], whole.counts)
+    assert counts[4:].tolist() == [0, 0]
+    np.testing.assert_allclose(means[:4], whole.means)
+    np.testing.assert_allclose(scatter[:4], whole.counts[:, None, None] * whole.covariances, atol=1e-9)
+
+
+def test_shrinkage_pulls_a_thin_class_towards_the_pooled_covariance():
+    counts = np.array([400.0, 3.0])
+    scatter = np.stack([400 * np.eye(2), 3 * np.diag([1e-6, 1e-6])])
+    shrunk = shrunk_covariances(counts, scatter, strength=2)
+    np.testing.assert_allclose(shrunk[0], (400 * np.eye(2) + 2 * scatter.sum(0) / 403) / 402)
+    # three windows alone give a needle (variance 1e-6); the pool gives it width: 2 / 5 of the pooled variance
+    np.testing.assert_allclose(shrunk[1][0, 0], (3e-6 + 2 * 400 / 403) / 5)
+    with pytest.raises(ValueError, match="no features"):
+        shrunk_covariances(np.zeros(2), np.zeros((2, 2, 2)))
+
+
+def test_the_wire_form_round_trips_within_the_int8_step():
+    rng = np.random.default_rng(1)
+    z, y = _blobs(rng, [np.zeros(6), np.ones(6), -np.ones(6)], 40)
+    moments = class_moments(z, y)
+    back = decode_moments(encode_moments(moments), num_classes=4, features=6)
+    np.testing.assert_array_equal(back.classes, [0, 1, 2])
+    np.testing.assert_array_equal(back.counts, [40, 40, 40])
+    np.testing.assert_allclose(back.means, moments.means, rtol=1e-6)
+    step = np.abs(triangle(moments.covariances)).max(axis=1) / 127
+    assert np.all(np.abs(back.covariances - moments.covariances) <= step[:, None, None] / 2 + 1e-12)
+    np.testing.assert_allclose(untriangle(triangle(moments.covariances), 6), moments.covariances)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda v: {k: x for k, x in v.items() if k != "scales"}, "expected classes"),
+    (lambda v: {**v, "classes": [0, 0, 2]}, "classes"),
+    (lambda v: {**v, "classes": [0, 1, 9]}, "a head of 4"),
+    (lambda v: {**v, "counts": [40, 0, 40]}, "counts"),
+    (lambda v: {**v, "counts": [40, 40]}, "one length"),
+    (lambda v: {**v, "means": v["means"][:-4]}, "means: expected"),
+    (lambda v: {**v, "means": np.full(18, np.nan, "<f4").tobytes()}, "finite"),
+    (lambda v: {**v, "scales": np.float32([1, -1, 1]).tobytes()}, "scales >= 0"),
+    (lambda v: {**v, "covariances": b"\x80" * len(v["covariances"])}, "-127..127"),
+    (lambda v: {**v, "covariances": np.full(len(v["covariances"]), -5, np.int8).tobytes()}, "negative variance"),
+])
+def test_a_malformed_record_is_refused_with_its_fault(edit, match):
+    rng = np.random.default_rng(2)
+    z, y = _blobs(rng, [np.zeros(6), np.ones(6), -np.ones(6)], 40)
+    with pytest.raises(ValueError, match=match):
+        decode_moments(edit(encode_moments(class_moments(z, y))), num_classes=4, features=6)
+
+
+def test_calibration_repairs_a_head_tilted_towards_one_class():
+    """Three separable classes, a head that calls everything class 0 (the skew of one
+    line's training): refit on virtual features from the moments, it separates them."""
+    rng = np.random.default_rng(3)
+    centres = [np.array([3.0, 0, 0, 0]), np.array([0, 3.0, 0, 0]), np.array([0, 0, 3.0, 0])]
+    z, y = _blobs(rng, centres, 100)
+    counts, means, scatter = merge_moments([class_moments(z, y)], num_classes=3)
+    weight = np.zeros((3, 4), np.float32)
+    bias = np.array([5.0, 0.0, 0.0], np.float32)
+    assert np.mean(np.argmax(z @ weight.T + bias, axis=1) == y) < 0.4
+    w, b = calibrate_head(weight, bias, counts, means, shrunk_covariances(counts, scatter), seed=0)
+    assert w.dtype == np.float32 and w.shape == (3, 4) and b.shape == (3,)
+    assert np.mean(np.argmax(z @ w.T + b, axis=1) == y) > 0.95
+    again = calibrate_head(weight, bias, counts, means, shrunk_covariances(counts, scatter), seed=0)
+    np.testing.assert_array_equal(again[0], w)  # seeded: the same moments give the same head
+    with pytest.raises(ValueError, match="two classes"):
+        calibrate_head(weight, bias, np.array([10.0, 0, 0]), means, scatter, seed=0)
+
+
+def _train_reply(moments_values, error: bool = False) -> Message:
+    instruction = Message(RecordDict({"config": ConfigRecord({})}), message_type=MessageType.TRAIN, dst_node_id=1)
+    content = RecordDict({wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10}),
+                          wire.SITE: ConfigRecord({wire.SITE_ID: "line-01"})})
+    if moments_values is not None:
+        content[wire.FEATURE_MOMENTS] = ConfigRecord(moments_values)
+    return Message(content, reply_to=instruction)
+
+
+def test_the_server_refits_the_head_from_train_replies_and_drops_a_bad_record(flower_task_identity, caplog):
+    from tests.test_continual import _controller
+
+    rng = np.random.default_rng(4)
+    centres = [np.array([3.0, 0, 0, 0]), np.array([0, 3.0, 0, 0]), np.array([0, 0, 3.0, 0])]
+    z, y = _blobs(rng, centres, 60)
+    good = [encode_moments(class_moments(z[y != 2], y[y != 2])), encode_moments(class_moments(z[y == 2], y[y == 2]))]
+    bad = {**good[0], "counts": [1, 2, 3]}
+    controller = _controller(ewc_lambda=0.0, head_calibration=True)
+    arrays = ArrayRecord({"head.weight": Array(np.zeros((3, 4), np.float32)),
+                          "head.bias": Array(np.array([5.0, 0, 0], np.float32))})
+    replies = [_train_reply(good[0]), _train_reply(good[1]), _train_reply(bad), _train_reply(None)]
+    calibrated = controller.calibrate(4, arrays, replies)
+    w, b = calibrated["head.weight"].numpy(), calibrated["head.bias"].numpy()
+    assert np.mean(np.argmax(z @ w.T + b, axis=1) == y) > 0.95
+    assert caplog.text.count("feature moments of site line-01 dropped") == 2  # the bad one and the missing one
+    assert controller.calibrate(4, arrays, [_train_reply(None)]) is arrays  # nothing described: the head stays
+
+
+def test_a_short_run_sends_the_moments_in_each_phases_last_round_and_calibrates(tmp_path, caplog):
+    """The real site agent and server (loopback): with head-calibration the train replies of
+    rounds 2 and 3 (the phases' last rounds) carry the moments, and only those rounds
+    send more than the same run without it; the server says what it calibrated."""
+    import csv
+    from logging import INFO
+
+    from fedind.config import RunConfig
+    from fedind.simulation import simulate
+    from tests.test_continual import SHORT
+
+    def uplink(name: str, **extra) -> list[int]:
+        simulate(RunConfig(**SHORT, run_dir=str(tmp_path), run_name=name, **extra), runtime="loopback")
+        with open(tmp_path / name / "rounds.csv", newline="") as f:
+            return [int(row["uplink_bytes"]) for row in csv.DictReader(f)]
+
+    caplog.set_level(INFO)
+    plain = uplink("plain")
+    calibrated = uplink("calibrated", head_calibration=True)
+    assert calibrated[0] == plain[0] and all(c > p + 3 * 2000 for c, p in zip(calibrated[1:], plain[1:]))
+    assert "round 2: head calibrated on the feature moments of 3 sites" in caplog.text
+    assert "round 3: head calibrated on the feature moments of 3 sites" in caplog.text
