@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedind import wire
 from fedind.continual.calibration import (
@@ -101,8 +101,8 @@ def test_calibration_repairs_a_head_tilted_towards_one_class():
         calibrate_head(weight, bias, np.array([10.0, 0, 0]), means, scatter, seed=0)
 
 
-def _train_reply(moments_values, error: bool = False) -> Message:
-    instruction = Message(RecordDict({"config": ConfigRecord({})}), message_type=MessageType.TRAIN, dst_node_id=1)
+def _reply(moments_values) -> Message:
+    instruction = Message(RecordDict({"config": ConfigRecord({})}), message_type=wire.CALIBRATE, dst_node_id=1)
     content = RecordDict({wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10}),
                           wire.SITE: ConfigRecord({wire.SITE_ID: "line-01"})})
     if moments_values is not None:
@@ -110,7 +110,7 @@ def _train_reply(moments_values, error: bool = False) -> Message:
     return Message(content, reply_to=instruction)
 
 
-def test_the_server_refits_the_head_from_train_replies_and_drops_a_bad_record(flower_task_identity, caplog):
+def test_the_server_refits_the_head_from_the_replies_and_drops_a_bad_record(flower_task_identity, caplog):
     from tests.test_continual import _controller
 
     rng = np.random.default_rng(4)
@@ -121,18 +121,19 @@ def test_the_server_refits_the_head_from_train_replies_and_drops_a_bad_record(fl
     controller = _controller(ewc_lambda=0.0, head_calibration=True)
     arrays = ArrayRecord({"head.weight": Array(np.zeros((3, 4), np.float32)),
                           "head.bias": Array(np.array([5.0, 0, 0], np.float32))})
-    replies = [_train_reply(good[0]), _train_reply(good[1]), _train_reply(bad), _train_reply(None)]
-    calibrated = controller.calibrate(4, arrays, replies)
+    replies = [_reply(good[0]), _reply(good[1]), _reply(bad), _reply(None)]
+    calibrated = controller.calibrated(4, arrays, replies)
     w, b = calibrated["head.weight"].numpy(), calibrated["head.bias"].numpy()
     assert np.mean(np.argmax(z @ w.T + b, axis=1) == y) > 0.95
     assert caplog.text.count("feature moments of site line-01 dropped") == 2  # the bad one and the missing one
-    assert controller.calibrate(4, arrays, [_train_reply(None)]) is arrays  # nothing described: the head stays
+    assert controller.calibrated(4, arrays, [_reply(None)]) is arrays  # nothing described: the head stays
 
 
 def test_a_short_run_sends_the_moments_in_each_phases_last_round_and_calibrates(tmp_path, caplog):
-    """The real site agent and server (loopback): with head-calibration the train replies of
-    rounds 2 and 3 (the phases' last rounds) carry the moments, and only those rounds
-    send more than the same run without it; the server says what it calibrated."""
+    """The real site agent and server (loopback): with head-calibration every site answers a
+    calibration query after rounds 2 and 3 (the phases' last rounds) with its moments, so
+    only those rounds send more than the same run without it; the server says what it
+    calibrated."""
     import csv
     from logging import INFO
 

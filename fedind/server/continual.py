@@ -175,7 +175,7 @@ class PhaseController:
         if self.ewc is not None and self.ewc.phases and self.config.ewc_server_lambda > 0:
             arrays = self.damp(arrays)
         if self.config.head_calibration and server_round in self.config.phase_last_rounds():
-            arrays = self.calibrate(server_round, arrays, replies)
+            arrays = self.calibrate(server_round, arrays)
         if server_round in self.config.phase_end_rounds():
             phase = self.config.phase_of(server_round)
             if phase not in self.consolidated and (self.ewc is not None or self.config.replay_samples):
@@ -275,17 +275,28 @@ class PhaseController:
                 log(WARNING, "phase %d end: no site sent a valid Fisher; EWC keeps its earlier state", phase)
         self.consolidated.append(phase)
 
-    def calibrate(self, server_round: int, arrays: ArrayRecord, replies: list[Message]) -> ArrayRecord:
-        """Head calibration (``head-calibration``; :mod:`fedind.continual.calibration`): the
-        per-class feature moments that the sites sent with this round's train replies (taken
-        under the model they received, before training) merged, and the head refit on
-        virtual features drawn from them. A malformed record is logged and left out; a
-        rejected reply's is never read. With fewer than two classes described the head stays.
-        The head's momentum is cleared: it held steps towards the head that was replaced."""
+    def calibrate(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Head calibration (``head-calibration``; :mod:`fedind.continual.calibration`): ask
+        every site for its per-class feature moments under ``arrays`` (``query.calibrate``;
+        with the compressed downlink a sparse step, as a train message), merge them and refit
+        the head on virtual features drawn from them. A malformed record is logged and left
+        out; with fewer than two classes described the head stays. The head's momentum is
+        cleared: it held steps towards the head that was replaced."""
+        content = RecordDict({
+            wire.ARRAYS: arrays,
+            wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: self.run_config_json, wire.SERVER_ROUND: server_round}),
+        })
+        messages = [Message(content=content, message_type=wire.CALIBRATE, dst_node_id=n) for n in self.node_ids]
+        return self.calibrated(server_round, arrays, self.grid.send_and_receive(messages, timeout=self.config.round_timeout))
+
+    def calibrated(self, server_round: int, arrays: ArrayRecord, replies) -> ArrayRecord:
+        """``arrays`` with the head refit on the moments of the calibration ``replies``."""
         weight, bias = arrays[HEAD_WEIGHT].numpy(), arrays[HEAD_BIAS].numpy()
         parts = []
         for reply in replies:
             if reply.has_error():
+                log(WARNING, "round %d calibration: node %d failed: %s", server_round, reply.metadata.src_node_id,
+                    reply.error.reason)
                 continue
             try:
                 parts.append(decode_moments(dict(reply.content.config_records.get(wire.FEATURE_MOMENTS) or {}),

@@ -133,13 +133,7 @@ def train(msg: Message, context: Context) -> Message:
     histogram = np.bincount(train_data.y, minlength=num_classes)
     buffer = load_replay(context, config, site.site_id, train_data, num_classes)
     replay = buffer.arrays() if buffer is not None else None
-    # A phase's last round (head-calibration): the features' moments under the model as
-    # received, for the server's refit of the head (fedind.continual.calibration).
-    moments = None
-    if config.head_calibration and server_round in config.phase_last_rounds():
-        windows = train_data if replay is None else SiteArrays(
-            np.concatenate([train_data.x, replay.x]), np.concatenate([train_data.y, replay.y]))
-        moments = class_moments(window_features(model, windows.x, device), windows.y)
+
     replay_ratio = config.replay_ratio if replay is not None else 0.0
     adjustment = None
     if train_data.num_examples and config.logit_adjustment:  # the prior of what the loss sees: new windows and replayed ones
@@ -192,8 +186,6 @@ def train(msg: Message, context: Context) -> Message:
     content = RecordDict(
         {wire.ARRAYS: _state(model), wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})}
     )
-    if moments is not None:
-        content[wire.FEATURE_MOMENTS] = ConfigRecord(encode_moments(moments))
     if proposal is not None:
         rows, biases, counts = proposal
         content[wire.NEW_CLASSES] = ConfigRecord(
@@ -258,6 +250,29 @@ def phase_end(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+def calibrate(msg: Message, context: Context) -> Message:
+    """A phase's last round, head calibration (``query.calibrate``,
+    fedind.continual.calibration): per class the site holds, the count, mean and covariance
+    of the received model's features over this phase's windows and the replay buffer's.
+    Moments only: no window leaves the site."""
+    config = run_config_of(msg)
+    server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
+    site = load_site_data(context, config, config.phase_of(server_round))
+    model = receive_model(msg, site, config)
+    data = known(site.train, model.head.out_features)
+    buffer = load_replay(context, config, site.site_id, data, model.head.out_features)
+    if buffer is not None and len(buffer):
+        replayed = buffer.arrays()
+        data = SiteArrays(np.concatenate([data.x, replayed.x]), np.concatenate([data.y, replayed.y]))
+    moments = class_moments(window_features(model, data.x, pick_device(config.device)), data.y)
+    content = RecordDict({
+        wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id}),
+        wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: int(moments.counts.sum())}),
+        wire.FEATURE_MOMENTS: ConfigRecord(encode_moments(moments)),
+    })
+    return Message(content=content, reply_to=msg)
+
+
 def paillier_mod(msg: Message, context: Context, call_next) -> Message:
     """:func:`fedind.paillier.site.paillier_mod` for a train message with ``encryption =
     "paillier"``; any other message passes without importing the crypto stack (phe,
@@ -289,6 +304,7 @@ def site_app(*inner_mods, transport=topk_mod, outer_mods=()) -> ClientApp:
     site.train()(train)
     site.evaluate()(evaluate_global)
     site.query("phase_end")(phase_end)
+    site.query("calibrate")(calibrate)
     site.query()(decrypt_query)  # encryption = "paillier": decrypt the round's summed ciphertexts
     return site
 

@@ -42,7 +42,7 @@ CACHED_PREFIX = "downlink-cache:"  # context.state ArrayRecord per cached record
 CACHED_RUN_CONFIG = "downlink-run-config"  # context.state ConfigRecord: the run config text the site holds
 # Messages whose global model travels as a step: train rounds and the phase-end query (the
 # final evaluation is sent whole, once).
-MODEL_MESSAGES = (MessageType.TRAIN, wire.PHASE_END)
+MODEL_MESSAGES = (MessageType.TRAIN, wire.PHASE_END, wire.CALIBRATE)
 
 
 def digest(arrays: Mapping[str, np.ndarray]) -> str:
