@@ -43,6 +43,8 @@ CACHED_RUN_CONFIG = "downlink-run-config"  # context.state ConfigRecord: the run
 # Messages whose global model travels as a step: train rounds and the phase-end query (the
 # final evaluation is sent whole, once).
 MODEL_MESSAGES = (MessageType.TRAIN, wire.PHASE_END, wire.CALIBRATE)
+SYNC_MESSAGES = (wire.CALIBRATE,)  # sent the whole gap G - P (int8): the sites' copy is then the global model
+SYNC_MODE = "int8"
 
 
 def digest(arrays: Mapping[str, np.ndarray]) -> str:
@@ -168,7 +170,10 @@ class CompressedDownlink:
         global_record = message.content[wire.ARRAYS]
         key = (message.content.config_records.get(wire.CONFIG, {}).get(wire.SERVER_ROUND), id(global_record))
         if self._round_key != key:  # first message of a round: move P once
-            self._advance(_numpy(global_record))
+            # A calibration query needs the sites' features under G itself: its step is the
+            # whole gap, int8 (SYNC_MODE), so P_t = G_t up to the rounding of the gap.
+            sync = message.metadata.message_type in SYNC_MESSAGES
+            self._advance(_numpy(global_record), 1.0 if sync else self.ratio, SYNC_MODE if sync else self.mode)
             self._round_key, self._records = key, {}
         base, payload, whole, new = self._step
         holds = self.held.get(node, {})
@@ -215,16 +220,17 @@ class CompressedDownlink:
         message.content = content
         return message
 
-    def _advance(self, target: dict[str, np.ndarray]) -> None:
-        """P_{t-1} -> P_t toward ``target`` (G_t): a step over the arrays whose shape is
-        unchanged; arrays that are new or changed shape (a grown head) go whole."""
+    def _advance(self, target: dict[str, np.ndarray], ratio: float, mode: str) -> None:
+        """P_{t-1} -> P_t toward ``target`` (G_t): a step (``ratio`` of the gap's coordinates,
+        quantised by ``mode``) over the arrays whose shape is unchanged; arrays that are new
+        or changed shape (a grown head) go whole."""
         previous = self.broadcast or {}
         kept = [k for k in target if k in previous and previous[k].shape == target[k].shape]
         whole = [k for k in target if k not in kept]
         step = None
-        if kept and set(previous) <= set(target) and _is_float_model(target) and self.ratio < 1:
+        if kept and set(previous) <= set(target) and _is_float_model(target) and self.ratio < 1:  # steps whenever the downlink compresses
             try:
-                step, moved = step_toward({k: previous[k] for k in kept}, {k: target[k] for k in kept}, self.ratio, self.mode)
+                step, moved = step_toward({k: previous[k] for k in kept}, {k: target[k] for k in kept}, ratio, mode)
             except ValueError:  # a non-finite gap: send the model whole
                 step = None
         if step is None:
