@@ -280,3 +280,25 @@ def test_sites_build_the_initial_model_from_its_spec_and_a_mismatch_is_sent_whol
     whole = wrong.resend(Message(RecordDict(dict(message.content.items())), dst_node_id=NODE,
                                  message_type=MessageType.TRAIN))
     assert wire.ARRAYS in whole.content.array_records
+
+
+def test_a_calibration_query_is_sent_the_whole_gap_so_the_site_holds_the_global_model():
+    """A train round leaves the site's copy lagging (a 5 % step); the calibration query's
+    step is the whole gap in int8, so the model the site computes its features under is
+    the global model up to that rounding, not the lagging copy."""
+    server, site = CompressedDownlink(PerReply(lambda i, r: r), ratio=0.05), Site()
+    g = arrays(0)
+    full_round(server, site, g, 1)
+    g = {k: v + arrays(2, 0.05)[k] for k, v in g.items()}
+    full_round(server, site, g, 2)
+    lag = max(float(np.abs(server.broadcast[k] - g[k]).max()) for k in g)
+    query = Message(RecordDict(dict(train_message(g, 2).content.items())), dst_node_id=NODE,
+                    message_type=wire.CALIBRATE)
+    sent = server.prepare(Message(RecordDict(dict(query.content.items())), dst_node_id=NODE,
+                                  message_type=wire.CALIBRATE))
+    assert wire.ARRAYS not in sent.content.array_records  # a step, not the whole model
+    site.answer(sent, {k: np.zeros_like(v) for k, v in g.items()})
+    rebuilt = {k: v.numpy() for k, v in site.seen.content[wire.ARRAYS].items()}
+    assert digest(rebuilt) == digest(server.broadcast)
+    left = max(float(np.abs(rebuilt[k] - g[k]).max()) for k in g)
+    assert left < lag / 50  # int8 rounding of the gap, against the train round's lag
