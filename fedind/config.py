@@ -126,7 +126,7 @@ class RunConfig:
     ewc_keep: float = 1.0  # EWC: share of the Fisher's coordinates kept at each consolidation (the largest; 1 = all)
     ewc_fade_rounds: int = 0  # EWC's weight fades linearly to 0 over this many rounds after each phase end (0 = constant)
     ewc_anchor: str = "phase-end"  # EWC anchors: phase-end (the model at the last phase end) | global (the model each round starts from)
-    head_calibration: bool = False  # phases: at each phase's last round, refit the head on virtual features from the sites' per-class feature moments (CCVR)
+    head_calibration: bool = False  # phases: after the last round, refit the head on virtual features from the sites' per-class feature moments (CCVR)
     young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa averages them over its holders; other strategies refit)
 
     def __post_init__(self) -> None:
@@ -229,7 +229,7 @@ class RunConfig:
                 ("phase-rounds", self.phase_rounds, "there is one phase"),
                 ("replay-samples", self.replay_samples, "a site's buffer is filled at the end of a phase"),
                 ("ewc-lambda", self.ewc_lambda, "the Fisher is taken at the end of a phase"),
-                ("head-calibration", self.head_calibration, "the head is calibrated at the end of each phase"),
+                ("head-calibration", self.head_calibration, "the moments include the replay buffer's windows"),
             ):
                 if value:
                     raise ConfigError(f"Invalid run config {key} = {value!r}: it needs phases > 1 ({why})")
@@ -301,10 +301,6 @@ class RunConfig:
         (fedind.continual.phases). ``young-rows = holders`` averages them over the holders instead,
         which only DWA can; with another strategy they are refit."""
         return not (self.young_rows == "holders" and self.strategy in DWA_STRATEGIES)
-
-    def phase_last_rounds(self) -> tuple[int, ...]:
-        """The last round of every phase, the run's last round included."""
-        return (*self.phase_end_rounds(), self.num_server_rounds)
 
     def phase_end_rounds(self) -> tuple[int, ...]:
         """The last round of every phase but the last: after it the sites consolidate."""

@@ -60,7 +60,7 @@ PHASE_END = "query.phase_end"  # message type, server -> every site at the end o
 PHASE = "phase"  # ConfigRecord key, server -> site: the phase that ends
 EWC_FISHER = "ewc-fisher"  # ArrayRecord: site -> server its Fisher (phase end); server -> site the consolidated one
 EWC_ANCHORS = "ewc-anchors"  # ArrayRecord, server -> site: the anchor parameters of the EWC penalty
-CALIBRATE = "query.calibrate"  # message type, server -> every site after a phase's last round (head-calibration): send feature moments
+CALIBRATE = "query.calibrate"  # message type, server -> every site after the run's last round (head-calibration): send feature moments
 FEATURE_MOMENTS = "feature-moments"  # ConfigRecord, site -> server: per-class feature moments (fedind.continual.calibration.encode_moments)
 CLASSES_SEEN = "classes-seen"  # MetricRecord key, site -> server: 1 + the largest label in the site's data
 # ConfigRecord of a train reply from a site whose data has classes the head lacks (not in the

@@ -251,7 +251,7 @@ def phase_end(msg: Message, context: Context) -> Message:
 
 
 def calibrate(msg: Message, context: Context) -> Message:
-    """A phase's last round, head calibration (``query.calibrate``,
+    """After the run's last round, head calibration (``query.calibrate``,
     fedind.continual.calibration): per class the site holds, the count, mean and covariance
     of the received model's features over this phase's windows and the replay buffer's.
     Moments only: no window leaves the site."""
