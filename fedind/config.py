@@ -423,6 +423,7 @@ RECIPE: dict[str, Any] = {
     "ewc_lambda": 3.0,  # EWC consolidation at phase ends (10 with three local epochs cost the narrowest line at alpha 0.1)...
     "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)...
     "ewc_anchor": "global",  # ...held near each round's global model: anchoring at the phase-end model held back a model still learning
+    "head_calibration": True,  # after the last round the head is refit on virtual features from the lines' feature moments (CCVR)
     # the plant scenario: two phases, half the lines change speed, a new fault class at one line
     "phases": 2,
     "phase_rounds": 20,

@@ -58,7 +58,7 @@ def variant_config(base, name: str, replay_samples: int, ewc_lambda: float, ewc_
     replay = replay_samples if "replay" in name else 0
     ewc = ewc_lambda if "ewc" in name else 0.0
     server = ewc_server_lambda if name.endswith("+server") else 0.0
-    return replace(base, replay_samples=replay, ewc_lambda=ewc, ewc_server_lambda=server)
+    return replace(base, replay_samples=replay, ewc_lambda=ewc, ewc_server_lambda=server, head_calibration=False)  # as dated
 
 
 def measure(config, name: str, out: Path) -> dict:

@@ -47,7 +47,7 @@ from fedind.server.monitoring import code_version  # noqa: E402
 
 # Static data, as on 2026-11-29: the pyproject's default now has two data phases with replay
 # and EWC, which a 2-round check cannot hold (phase-rounds = 20).
-STATIC = "phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0.0"
+STATIC = "phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0.0 head-calibration=false"
 
 
 def sample_peak(pids_fn, stop: threading.Event, peak: dict) -> None:

@@ -158,7 +158,7 @@ def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, 
 
 
 # The recipe's features that encryption refuses at start (docs/encryption.md), off in both arms.
-ENCRYPTABLE = ["phases=1", "phase-rounds=0", "replay-samples=0", "ewc-lambda=0.0", "compression=none", "downlink=none"]
+ENCRYPTABLE = ["phases=1", "phase-rounds=0", "replay-samples=0", "ewc-lambda=0.0", "head-calibration=false", "compression=none", "downlink=none"]
 
 # Simulation variants: run-config overrides over the benchmark's base config.
 VARIANTS = {

@@ -188,7 +188,7 @@ def _run_config(tree: Path) -> dict:
     import tomllib
 
     config = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    static = {"phases": 1, "phase-rounds": 0, "replay-samples": 0, "ewc-lambda": 0.0}  # as deployment_load.py
+    static = {"phases": 1, "phase-rounds": 0, "replay-samples": 0, "ewc-lambda": 0.0, "head-calibration": False}  # as deployment_load.py
     return config | static | {"model-width": 32, "local-epochs": 1, "run-name": "site-cost"}
 
 

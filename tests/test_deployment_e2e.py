@@ -103,7 +103,7 @@ def a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant, lan
     metrics_port = free_port()
     run_config = (
         f"data-root='{data}' run-dir='{plant.root / 'runs'}' run-name='e2e' num-server-rounds=2 local-epochs=1 "
-        f"model-width=8 compression='topk' topk-ratio=0.1 round-timeout=120.0 metrics-port={metrics_port} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0"
+        f"model-width=8 compression='topk' topk-ratio=0.1 round-timeout=120.0 metrics-port={metrics_port} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0 head-calibration=false"
     )
     run = plant.start("flwr-run", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
     seen: dict[str, float] = {}

@@ -388,7 +388,7 @@ def killed_site_scenario(scenario) -> None:
 
             run_config = (
                 f"data-root='{data}' run-dir='{root / 'runs'}' run-name='killed' num-server-rounds=7 local-epochs=1 "
-                f"model-width=8 round-timeout={ROUND_TIMEOUT} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0"
+                f"model-width=8 round-timeout={ROUND_TIMEOUT} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0 head-calibration=false"
             )
             run = plant.start("flwr-run", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
             # Round 2's instruction reached line-00 and its ClientApp process is training: kill both.

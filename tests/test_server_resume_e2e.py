@@ -52,7 +52,7 @@ def resume_scenario(scenario) -> None:
         folder = tmp_path / "runs" / "plant-run"
         run_config = (
             f"data-root='{data}' run-dir='{tmp_path / 'runs'}' run-name='plant-run' num-server-rounds=3 "
-            f"local-epochs=1 model-width=8 round-timeout=120.0 phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0"
+            f"local-epochs=1 model-width=8 round-timeout=120.0 phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0 head-calibration=false"
         )
         first = plant.start("flwr-run-1", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
         plant.wait_for(lambda: (folder / "checkpoints" / "round-000001").is_dir(), 300, "the round-1 checkpoint", first)

@@ -216,7 +216,7 @@ def test_in_simulation_the_relay_is_the_site_agent_bit_for_bit(tmp_path):
     from fedind.simulation import simulate
 
     config = RunConfig(num_server_rounds=2, num_sites=2, samples_per_site=30, local_epochs=1, batch_size=8,
-                       model_width=WIDTH, phases=1, phase_rounds=0, replay_samples=0, ewc_lambda=0.0,
+                       model_width=WIDTH, phases=1, phase_rounds=0, replay_samples=0, ewc_lambda=0.0, head_calibration=False,
                        compression="topk", topk_ratio=0.1, run_dir=str(tmp_path))
     agent_run = simulate(replace(config, run_name="agent"), runtime="loopback")
     relay_run = simulate(replace(config, run_name="relay"), client_app=relay.app, runtime="loopback")
