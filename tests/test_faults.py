@@ -371,7 +371,8 @@ def killed_site_scenario(scenario) -> None:
     activate SuperNode"). The restarted agent gets the same node id, trains again in the
     rounds and scores the final global model. While it is away, rounds go on with the
     sites connected (strategies sample from at least ``min-sites``, not from every site:
-    before that fix a site that stayed away stalled the run between rounds)."""
+    before that fix a site that stayed away stalled the run between rounds). Ten rounds:
+    with seven, a restart slowed by a loaded machine found the run over (CI, 2026-12-05)."""
     from fedind.data.sources import site_from_dir
     from fedind.models import FaultCNN
     from fedind.site.state import load_state
@@ -387,7 +388,7 @@ def killed_site_scenario(scenario) -> None:
             node_id = re.search(r"SuperNode ID: (\d+)", victim.text()).group(1)
 
             run_config = (
-                f"data-root='{data}' run-dir='{root / 'runs'}' run-name='killed' num-server-rounds=7 local-epochs=1 "
+                f"data-root='{data}' run-dir='{root / 'runs'}' run-name='killed' num-server-rounds=10 local-epochs=1 "
                 f"model-width=8 round-timeout={ROUND_TIMEOUT} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0 head-calibration=false"
             )
             run = plant.start("flwr-run", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
@@ -402,13 +403,13 @@ def killed_site_scenario(scenario) -> None:
             plant.wait_for(lambda: any(line in run.text() for line in OFFLINE), 120, "line-00 offline", run, every=1)
             offline_after = time.monotonic() - killed
             # A site that stays away does not stall the run: a round goes on with the other two.
-            plant.wait_for(lambda: re.search(r"round [3-7]/7 .* sites 2  failed 0", run.text()), 120,
+            plant.wait_for(lambda: re.search(r"round ([3-9]|10)/10 .* sites 2  failed 0", run.text()), 120,
                            "a round without line-00", run, every=1)
             restarted = plant.start_supernode("line-00", data / "sites" / "line-00", name="supernode-line-00-restarted")
 
             assert run.popen.wait(timeout=300) == 0, run.text()[-4000:]
             log = run.text()
-            assert "fedind run 'killed' finished: 7 rounds, 3 sites" in log
+            assert "fedind run 'killed' finished: 10 rounds, 3 sites" in log
             folder = root / "runs" / "killed"
             rows = [(int(r["sites"]), int(r["failures"])) for r in read_rounds(folder)]
             seconds = [float(r["seconds"]) for r in read_rounds(folder)]
@@ -417,7 +418,7 @@ def killed_site_scenario(scenario) -> None:
             assert rows[:2] == [(3, 0), (2, 1)] and (2, 0) in rows[2:], rows
             assert all(sites + failures <= 3 for sites, failures in rows), rows
             assert seconds[1] < ROUND_TIMEOUT + 5, seconds
-            round_2 = log[log.index("[ROUND 2/7]"):log.index("[ROUND 3/7]")]
+            round_2 = log[log.index("[ROUND 2/10]"):log.index("[ROUND 3/10]")]
             assert re.search(rf"failed: node {node_id}: (no reply \(timeout\)|Error: Node Unavailable)", round_2), round_2
             # Every failure is line-00's, counted once (not also as "node 1", the SuperLink).
             failures = re.findall(r"failed: node (\d+):", log)
