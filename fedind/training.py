@@ -264,6 +264,22 @@ def condition_windows(model: nn.Module, x: torch.Tensor, chunk: int = 512) -> to
 
 
 @torch.no_grad()
+def window_features(model: nn.Module, windows: np.ndarray, device: torch.device, batch: int = 256) -> np.ndarray:
+    """The features the head sees (``model.features``) of ``windows``, ``[N, F]`` float64, in
+    eval mode (its train/eval mode restored): what a new class's row is fitted on
+    (:func:`fedind.continual.phases.propose_new_rows`) and what head calibration takes
+    moments of (:mod:`fedind.continual.calibration`)."""
+    was_training = model.training
+    model.to(device).eval()
+    out = []
+    for lo in range(0, len(windows), batch):
+        x = torch.as_tensor(np.asarray(windows[lo:lo + batch]), dtype=torch.float32, device=device)
+        out.append(model.features(x).double().cpu().numpy())
+    model.train(was_training)
+    return np.concatenate(out) if out else np.zeros((0, model.head.in_features))
+
+
+@torch.no_grad()
 def sample_losses(model: nn.Module, data: SiteArrays, device: torch.device, batch_size: int = 512) -> np.ndarray:
     """Cross-entropy of each example under ``model`` (float32 ``[N]``, plain logits, eval
     mode, left in eval mode): the importance score a :class:`fedind.continual.replay.ReplayBuffer`

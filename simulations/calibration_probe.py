@@ -21,10 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simulations.common import parse_overrides, pyproject_run_config  # noqa: E402
 from simulations.plant import SCENARIO, variant_config  # noqa: E402
-from fedind.continual.calibration import calibrate_head, class_moments, merge_moments, window_features  # noqa: E402
-from fedind.continual.phases import known  # noqa: E402
+from fedind.continual.calibration import calibrate_head, class_moments, merge_moments, shrunk_covariances  # noqa: E402
+from fedind.continual.phases import evaluate_known  # noqa: E402
 from fedind.data.drift import phase_global_test, phase_site  # noqa: E402
 from fedind.edge.predict import load_model  # noqa: E402
+from fedind.training import window_features  # noqa: E402
 
 COVARIANCES = ("own", "diagonal", "pooled", "shrunk")
 
@@ -39,24 +40,16 @@ def covariances(counts: np.ndarray, scatter: np.ndarray, kind: str) -> np.ndarra
         return np.stack([np.diag(np.diag(c)) for c in own])
     if kind == "pooled":
         return np.broadcast_to(pooled, own.shape).copy()
-    k = scatter.shape[-1]
-    return (scatter + k * pooled) / (counts + k)[:, None, None]
+    return shrunk_covariances(counts, scatter)  # what head-calibration uses
 
 
 def score(model, drift, num_classes: int) -> tuple[float, float]:
-    """(accuracy over both phases' global tests, recall of the new class) of ``model``."""
-    correct = total = 0
-    recall = float("nan")
-    for phase in (0, 1):
-        test = known(phase_global_test(drift, phase), num_classes)
-        with torch.no_grad():
-            predicted = model(torch.as_tensor(test.x, dtype=torch.float32)).argmax(1).numpy()
-        correct += int((predicted == test.y).sum())
-        total += test.y.size
-        if phase == 1:
-            new = test.y >= num_classes - 1
-            recall = float((predicted[new] == test.y[new]).mean())
-    return correct / total, recall
+    """(accuracy over both phases' global tests, recall of the new class) of ``model``, as
+    the server scores a phase (:func:`~fedind.continual.phases.evaluate_known`)."""
+    scores = [evaluate_known(model, phase_global_test(drift, phase), torch.device("cpu"), new_from=num_classes - 1)
+              for phase in (0, 1)]
+    accuracy = sum(s.correct for s in scores) / sum(s.num_examples for s in scores)
+    return accuracy, scores[1].new_correct / scores[1].num_new
 
 
 def main(argv=None) -> None:

@@ -47,7 +47,7 @@ from torch import nn
 
 __all__ = [
     "ClassMoments", "calibrate_head", "class_moments", "decode_moments", "encode_moments", "merge_moments",
-    "shrunk_covariances", "triangle", "untriangle", "window_features",
+    "shrunk_covariances", "triangle", "untriangle",
 ]
 
 SAMPLES_PER_CLASS = 1000  # virtual features per class
@@ -66,20 +66,6 @@ class ClassMoments(NamedTuple):
     counts: np.ndarray
     means: np.ndarray
     covariances: np.ndarray
-
-
-def window_features(model: nn.Module, windows: np.ndarray, device: torch.device, batch: int = 256) -> np.ndarray:
-    """The features the head sees (``model.features``), ``[N, F]`` float64, in eval mode
-    (its train/eval mode restored)."""
-    was_training = model.training
-    model.to(device).eval()
-    out = []
-    with torch.no_grad():
-        for lo in range(0, len(windows), batch):
-            x = torch.as_tensor(np.asarray(windows[lo:lo + batch]), dtype=torch.float32, device=device)
-            out.append(model.features(x).double().cpu().numpy())
-    model.train(was_training)
-    return np.concatenate(out) if out else np.zeros((0, model.head.in_features))
 
 
 def triangle(matrices: np.ndarray) -> np.ndarray:
@@ -120,14 +106,11 @@ def encode_moments(moments: ClassMoments) -> dict:
     }
 
 
-def decode_moments(values, num_classes: int, features: int) -> ClassMoments:
+def decode_moments(values: dict, num_classes: int, features: int) -> ClassMoments:
     """:func:`encode_moments` undone and checked (ValueError naming the fault): distinct
     classes of a head of ``num_classes``, counts >= 1, finite means and covariances of
     ``features`` features, variances >= 0."""
-    try:
-        keys = set(values)
-    except TypeError:
-        keys = set()
+    keys = set(values)
     if keys != {"classes", "counts", "means", "scales", "covariances"}:
         raise ValueError(f"expected classes, counts, means, scales, covariances, got {sorted(map(str, keys))}")
     classes, counts = values["classes"], values["counts"]

@@ -61,7 +61,7 @@ from torch import nn
 
 from ..data.format import SiteArrays
 from .replay import ReplayBuffer
-from ..training import WEIGHT_DECAY, evaluate, prior_logit_adjustment
+from ..training import WEIGHT_DECAY, evaluate, prior_logit_adjustment, window_features
 
 __all__ = [
     "PhaseScore",
@@ -182,12 +182,7 @@ def propose_new_rows(
     first = head if first is None else first
     if not 1 <= first <= head:
         raise ValueError(f"Invalid first class {first!r} for a head of {head}")
-    model.to(device).eval()
-    with torch.no_grad():
-        features = torch.cat(
-            [model.features(torch.from_numpy(data.x[i : i + batch_size]).to(device)).float().cpu()
-             for i in range(0, data.num_examples, batch_size)]
-        )
+    features = torch.from_numpy(window_features(model, data.x, device, batch_size)).float()
     counts = np.bincount(data.y, minlength=num_classes)
     adjustment = prior_logit_adjustment(counts, tau) if tau else None
     weight, bias = model.head.weight.detach().cpu()[:first], model.head.bias.detach().cpu()[:first]

@@ -278,7 +278,7 @@ class PhaseController:
     def calibrate(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """Head calibration (``head-calibration``; :mod:`fedind.continual.calibration`): ask
         every site for its per-class feature moments under ``arrays`` (``query.calibrate``;
-        with the compressed downlink a sparse step, as a train message), merge them and refit
+        with the compressed downlink a step that closes the whole gap to ``arrays``), merge them and refit
         the head on virtual features drawn from them. A malformed record is logged and left
         out; with fewer than two classes described the head stays. The head's momentum is
         cleared: it held steps towards the head that was replaced."""
@@ -304,7 +304,7 @@ class PhaseController:
             except ValueError as err:
                 log(WARNING, "round %d calibration: feature moments of site %s dropped: %s", server_round,
                     site_id_of(reply), err)
-        counts, means, scatter = merge_moments(parts, weight.shape[0]) if parts else (np.zeros(1),) * 3
+        counts, means, scatter = merge_moments(parts, weight.shape[0]) if parts else (np.zeros(0), None, None)
         if np.count_nonzero(counts) < 2:
             log(WARNING, "round %d calibration: features of %d classes described; the head stays", server_round,
                 np.count_nonzero(counts))

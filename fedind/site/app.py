@@ -28,7 +28,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 from .. import wire
 from ..config import RunConfig
-from ..continual.calibration import class_moments, encode_moments, window_features
+from ..continual.calibration import class_moments, encode_moments
 from ..continual.phases import classes_seen, evaluate_known, known, propose_new_rows
 from ..continual.site import (
     load_replay,
@@ -46,6 +46,7 @@ from ..models import FaultCNN
 from ..edge.publish import SERVE_DIR_KEY, publish_received
 from ..training import (
     TrainResult, cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts,
+    window_features,
 )
 from .cache import cached_conditioning
 from .state import NODE_CONFIG_KEY as STATE_DIR_KEY
@@ -133,7 +134,6 @@ def train(msg: Message, context: Context) -> Message:
     histogram = np.bincount(train_data.y, minlength=num_classes)
     buffer = load_replay(context, config, site.site_id, train_data, num_classes)
     replay = buffer.arrays() if buffer is not None else None
-
     replay_ratio = config.replay_ratio if replay is not None else 0.0
     adjustment = None
     if train_data.num_examples and config.logit_adjustment:  # the prior of what the loss sees: new windows and replayed ones

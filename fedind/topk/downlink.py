@@ -228,7 +228,8 @@ class CompressedDownlink:
         kept = [k for k in target if k in previous and previous[k].shape == target[k].shape]
         whole = [k for k in target if k not in kept]
         step = None
-        if kept and set(previous) <= set(target) and _is_float_model(target) and self.ratio < 1:  # steps whenever the downlink compresses
+        # steps whenever the downlink compresses (a sync step included: ratio 1, self.ratio < 1)
+        if kept and set(previous) <= set(target) and _is_float_model(target) and self.ratio < 1:
             try:
                 step, moved = step_toward({k: previous[k] for k in kept}, {k: target[k] for k in kept}, ratio, mode)
             except ValueError:  # a non-finite gap: send the model whole
