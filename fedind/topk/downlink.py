@@ -33,7 +33,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from .. import wire
 from .codec import PayloadError, decode, encode, expected_of, from_record, to_record
 from .feedback import ErrorFeedback
-from ..config import RunConfig
 
 STALE_DOWNLINK = wire.STALE_DOWNLINK  # the code's table: fedind.wire
 BROADCAST = "downlink-model"  # context.state ArrayRecord: the site's copy of the broadcast model P
