@@ -9,6 +9,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fedind import wire
 from fedind.continual.calibration import (
+    bounded_moments,
     calibrate_head,
     class_moments,
     decode_moments,
@@ -101,10 +102,10 @@ def test_calibration_repairs_a_head_tilted_towards_one_class():
         calibrate_head(weight, bias, np.array([10.0, 0, 0]), means, scatter, seed=0)
 
 
-def _reply(moments_values) -> Message:
+def _reply(moments_values, site: str = "line-01") -> Message:
     instruction = Message(RecordDict({"config": ConfigRecord({})}), message_type=wire.CALIBRATE, dst_node_id=1)
     content = RecordDict({wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10}),
-                          wire.SITE: ConfigRecord({wire.SITE_ID: "line-01"})})
+                          wire.SITE: ConfigRecord({wire.SITE_ID: site})})
     if moments_values is not None:
         content[wire.FEATURE_MOMENTS] = ConfigRecord(moments_values)
     return Message(content, reply_to=instruction)
@@ -119,14 +120,59 @@ def test_the_server_refits_the_head_from_the_replies_and_drops_a_bad_record(flow
     good = [encode_moments(class_moments(z[y != 2], y[y != 2])), encode_moments(class_moments(z[y == 2], y[y == 2]))]
     bad = {**good[0], "counts": [1, 2, 3]}
     controller = _controller(ewc_lambda=0.0, head_calibration=True)
+    controller.declared = {"line-01": [60, 60, 0], "line-02": [0, 0, 60]}  # their train replies' histograms
     arrays = ArrayRecord({"head.weight": Array(np.zeros((3, 4), np.float32)),
                           "head.bias": Array(np.array([5.0, 0, 0], np.float32))})
-    replies = [_reply(good[0]), _reply(good[1]), _reply(bad), _reply(None)]
+    replies = [_reply(good[0]), _reply(good[1], "line-02"), _reply(bad, "line-03"), _reply(None, "line-04")]
     calibrated = controller.calibrated(4, arrays, replies)
     w, b = calibrated["head.weight"].numpy(), calibrated["head.bias"].numpy()
     assert np.mean(np.argmax(z @ w.T + b, axis=1) == y) > 0.95
-    assert caplog.text.count("feature moments of site line-01 dropped") == 2  # the bad one and the missing one
+    assert "feature moments of site line-03 dropped" in caplog.text and "of site line-04 dropped" in caplog.text
+    assert "capped" not in caplog.text and "left out" not in caplog.text  # honest lines pass whole
     assert controller.calibrated(4, arrays, [_reply(None)]) is arrays  # nothing described: the head stays
+
+
+def test_a_forged_record_cannot_outweigh_what_its_line_declared_in_training(flower_task_identity, caplog):
+    """A line that claims 1,000 times its windows of class 0, with their mean on class 1's
+    centre, would make the merged class 0 sit on class 1; capped at its declared windows it
+    is one honest-sized voice among three and the refit head still separates the classes.
+    A line that declared nothing in training, or a mean far outside the federation's, is left out."""
+    from tests.test_continual import _controller
+
+    rng = np.random.default_rng(5)
+    centres = [np.array([3.0, 0, 0, 0]), np.array([0, 3.0, 0, 0]), np.array([0, 0, 3.0, 0])]
+    z, y = _blobs(rng, centres, 60)
+    honest = class_moments(z, y)
+    forged = honest._replace(counts=honest.counts * 1000, means=honest.means[[1, 1, 2]])
+    controller = _controller(ewc_lambda=0.0, head_calibration=True)
+    controller.declared = {"line-01": [60, 60, 60], "line-02": [60, 60, 60], "line-03": [60, 60, 60]}
+    arrays = ArrayRecord({"head.weight": Array(np.zeros((3, 4), np.float32)),
+                          "head.bias": Array(np.zeros(3, np.float32))})
+    replies = [_reply(encode_moments(honest), "line-01"), _reply(encode_moments(honest), "line-02"),
+               _reply(encode_moments(forged), "line-03"), _reply(encode_moments(honest), "line-09")]
+    calibrated = controller.calibrated(4, arrays, replies)
+    w, b = calibrated["head.weight"].numpy(), calibrated["head.bias"].numpy()
+    assert np.mean(np.argmax(z @ w.T + b, axis=1) == y) > 0.9
+    assert "line line-03: counts [60000, 60000, 60000] of classes [0, 1, 2] capped at the declared [60, 60, 60]" in caplog.text
+    assert "line line-09: declared no windows in training; left out" in caplog.text
+
+
+def test_bounded_moments_caps_counts_and_leaves_out_far_classes():
+    rng = np.random.default_rng(6)
+    z, y = _blobs(rng, [np.array([1.0, 0, 0, 0]), np.array([0, 1.0, 0, 0])], 40)
+    honest = class_moments(z, y)
+    far = honest._replace(means=honest.means * np.array([[1.0], [50.0]]))  # class 1's mean 50x out
+    kept, reasons = bounded_moments({"a": honest, "b": honest, "c": far, "d": honest},
+                                    {"a": [40, 40], "b": [40, 10], "c": [40, 40]})
+    assert [p.counts.tolist() for p in kept] == [[40, 40], [40, 10], [40]]
+    np.testing.assert_array_equal(kept[0].means, honest.means)  # honest parts pass as they are
+    assert kept[2].classes.tolist() == [0]
+    assert reasons == [
+        "line b: counts [40, 40] of classes [0, 1] capped at the declared [40, 10]",
+        f"line c: classes [1] lie over 10x the median mean norm ({np.median(np.linalg.norm(np.concatenate([honest.means] * 3 + [far.means]), axis=1)):.3g}) or spread "
+        f"({np.median(np.sqrt(np.trace(np.concatenate([honest.covariances] * 4), axis1=1, axis2=2))):.3g}); left out",
+        "line d: declared no windows in training; left out",
+    ]
 
 
 def test_a_short_run_calibrates_its_final_head_from_the_sites_moments(tmp_path, caplog):

@@ -21,7 +21,9 @@ holds, the count :math:`n_c`, the mean :math:`\mu_c` and the covariance :math:`\
     n_c = \sum_s n_{sc}, \quad \mu_c = \sum_s \frac{n_{sc}}{n_c} \mu_{sc}, \quad
     S_c = \sum_s n_{sc} \big(\Sigma_{sc} + (\mu_{sc} - \mu_c)(\mu_{sc} - \mu_c)^\top\big),
 
-then (:func:`shrunk_covariances`) each class's covariance shrunk towards the pooled one,
+after bounding what one line can claim (:func:`bounded_moments`: its counts at most the
+windows its train replies declared, and no class mean or spread far outside the
+federation's), then (:func:`shrunk_covariances`) each class's covariance shrunk towards the pooled one,
 :math:`\hat\Sigma_c = (S_c + k \bar\Sigma) / (n_c + k)` with :math:`\bar\Sigma = \sum_c S_c /
 \sum_c n_c` and :math:`k` = the feature dimension (regularised discriminant analysis,
 Friedman 1989): a new class seen in 5 windows has a rank-4 scatter, and sampled from it
@@ -38,7 +40,7 @@ moments give the same head.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -46,8 +48,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ClassMoments", "calibrate_head", "class_moments", "decode_moments", "encode_moments", "merge_moments",
-    "shrunk_covariances", "triangle", "untriangle",
+    "ClassMoments", "bounded_moments", "calibrate_head", "class_moments", "decode_moments", "encode_moments",
+    "merge_moments", "shrunk_covariances", "triangle", "untriangle",
 ]
 
 SAMPLES_PER_CLASS = 1000  # virtual features per class
@@ -55,6 +57,7 @@ STEPS = 300  # SGD steps of the refit
 BATCH = 256
 LEARNING_RATE = 0.05
 MOMENTUM = 0.9
+MAX_SPREAD = 10.0  # a line's class mean or spread over this many times the federation's median: left out
 RIDGE = 1e-6  # added to the diagonal before sampling, relative to the mean variance
 
 
@@ -150,6 +153,42 @@ def class_moments(features: np.ndarray, labels: np.ndarray) -> ClassMoments:
     covariances = np.stack([np.cov(z[y == c], rowvar=False, bias=True).reshape(z.shape[1], z.shape[1])
                             for c in classes]) if classes.size else np.zeros((0, z.shape[1], z.shape[1]))
     return ClassMoments(classes, counts, means, covariances)
+
+
+def bounded_moments(parts: Mapping[str, ClassMoments], limits: Mapping[str, Sequence[int]],
+                    factor: float = MAX_SPREAD) -> tuple[list[ClassMoments], list[str]]:
+    """What one line can weigh in the merge, bounded. ``parts`` and ``limits`` by line:
+    the counts of each line's part are capped at its limits (per class, the windows its
+    train replies declared: label histogram plus replay buffer; a line that declared none
+    is left out), and a class is left out where its mean's norm or its spread (root of the
+    covariance's trace) is over ``factor`` times the median over every line's classes.
+    Honest lines are never capped (they describe exactly the windows they declared) and
+    their classes lie within a few times of each other; a forged record can neither
+    outweigh what its line already claimed in training nor drag a class's mean far away.
+    Returns the bounded parts (empty ones dropped) and one reason per change, naming the line."""
+    norms = {line: np.linalg.norm(p.means, axis=1) for line, p in parts.items()}
+    spreads = {line: np.sqrt(np.maximum(np.trace(p.covariances, axis1=1, axis2=2), 0.0)) for line, p in parts.items()}
+    median_norm = float(np.median(np.concatenate(list(norms.values())))) if parts else 0.0
+    median_spread = float(np.median(np.concatenate(list(spreads.values())))) if parts else 0.0
+    kept, reasons = [], []
+    for line, p in parts.items():
+        if line not in limits:
+            reasons.append(f"line {line}: declared no windows in training; left out")
+            continue
+        cap = np.zeros(max(len(limits[line]), int(p.classes.max(initial=-1)) + 1), dtype=np.int64)
+        cap[:len(limits[line])] = np.asarray(limits[line], dtype=np.int64)
+        counts = np.minimum(p.counts, cap[p.classes])
+        if np.any(counts < p.counts):
+            reasons.append(f"line {line}: counts {p.counts.tolist()} of classes {p.classes.tolist()} capped at the "
+                           f"declared {cap[p.classes].tolist()}")
+        far = (norms[line] > factor * median_norm) | (spreads[line] > factor * median_spread)
+        if np.any(far):
+            reasons.append(f"line {line}: classes {p.classes[far].tolist()} lie over {factor:g}x the median mean "
+                           f"norm ({median_norm:.3g}) or spread ({median_spread:.3g}); left out")
+        keep = (counts > 0) & ~far
+        if np.any(keep):
+            kept.append(ClassMoments(p.classes[keep], counts[keep], p.means[keep], p.covariances[keep]))
+    return kept, reasons
 
 
 def merge_moments(parts: Sequence[ClassMoments], num_classes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

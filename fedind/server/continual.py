@@ -46,7 +46,9 @@ from ..continual.phases import (
     merge_row_proposals,
 )
 from ..data.format import SiteArrays
-from ..continual.calibration import calibrate_head, decode_moments, merge_moments, shrunk_covariances
+from ..continual.calibration import (
+    ClassMoments, bounded_moments, calibrate_head, decode_moments, merge_moments, shrunk_covariances,
+)
 from ..continual.ewc import EWCState, server_consolidation
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT, expand_head, set_head_rows
 from ..files import atomic_write
@@ -108,6 +110,7 @@ class PhaseController:
         self.expansions: list[dict] = []  # {"round", "from", "to", "proposed_rows"}
         self.rows: list[dict] = []  # per-round scores (phases.csv)
         self.replay: dict[str, dict] = {}  # site -> latest replay figures
+        self.declared: dict[str, list[int]] = {}  # site -> label histogram of its latest train reply (bounds its calibration counts)
         self._records: dict[str, ArrayRecord] | None = None  # EWC records, built once per change
         # First class grown in the current phase (None when none grew): its holders refit its
         # rows every round, or DWA averages them over the holders (young-rows; fedind.continual.phases).
@@ -150,6 +153,7 @@ class PhaseController:
                 continue
             site, metrics, proposal = _reported(reply)
             self._note_replay(site, metrics)
+            self._note_histogram(site, metrics)
             seen = metrics.get(wire.CLASSES_SEEN)
             if seen is None:
                 continue
@@ -292,18 +296,21 @@ class PhaseController:
     def calibrated(self, server_round: int, arrays: ArrayRecord, replies) -> ArrayRecord:
         """``arrays`` with the head refit on the moments of the calibration ``replies``."""
         weight, bias = arrays[HEAD_WEIGHT].numpy(), arrays[HEAD_BIAS].numpy()
-        parts = []
+        described: dict[str, ClassMoments] = {}
         for reply in replies:
             if reply.has_error():
                 log(WARNING, "round %d calibration: node %d failed: %s", server_round, reply.metadata.src_node_id,
                     reply.error.reason)
                 continue
             try:
-                parts.append(decode_moments(dict(reply.content.config_records.get(wire.FEATURE_MOMENTS) or {}),
-                                            *weight.shape))
+                described[site_id_of(reply)] = decode_moments(
+                    dict(reply.content.config_records.get(wire.FEATURE_MOMENTS) or {}), *weight.shape)
             except ValueError as err:
                 log(WARNING, "round %d calibration: feature moments of site %s dropped: %s", server_round,
                     site_id_of(reply), err)
+        parts, reasons = bounded_moments(described, self._declared_windows())
+        for reason in reasons:
+            log(WARNING, "round %d calibration: %s", server_round, reason)
         counts, means, scatter = merge_moments(parts, weight.shape[0]) if parts else (np.zeros(0), None, None)
         if np.count_nonzero(counts) < 2:
             log(WARNING, "round %d calibration: features of %d classes described; the head stays", server_round,
@@ -316,6 +323,17 @@ class PhaseController:
         edited = _record({**_numpy(arrays), HEAD_WEIGHT: new_weight, HEAD_BIAS: new_bias})
         reset_strategy_rows(self.strategy, edited, range(weight.shape[0]))
         return edited
+
+    def _note_histogram(self, site: str, metrics: Mapping) -> None:
+        histogram = metrics.get(wire.LABEL_HISTOGRAM)
+        if isinstance(histogram, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in histogram):
+            self.declared[site] = list(histogram)
+
+    def _declared_windows(self) -> dict[str, list[int]]:
+        """Per site, the windows of each class it can describe: its latest label histogram,
+        plus its whole replay buffer in every class (the buffer's mix is not reported)."""
+        return {site: [c + self.replay.get(site, {}).get("samples", 0) for c in histogram]
+                for site, histogram in self.declared.items()}
 
     def _note_replay(self, site: str, metrics: Mapping) -> None:
         if wire.REPLAY_SAMPLES not in metrics:
@@ -409,13 +427,14 @@ class PhaseController:
             "expansions": [dict(e) for e in self.expansions],
             "rows": [dict(r) for r in self.rows],
             "replay": {s: dict(e) for s, e in self.replay.items()},
+            "declared": {s: list(h) for s, h in self.declared.items()},
             "young_from": self.young_from,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
         keys = {"num_classes", "ewc", "consolidated", "expansions", "rows", "replay"}
-        # young_from is optional: checkpoints from before it resume with no young rows
-        if not isinstance(state, Mapping) or not keys <= set(state) <= keys | {"young_from"}:
+        # young_from and declared are optional: checkpoints from before them resume without
+        if not isinstance(state, Mapping) or not keys <= set(state) <= keys | {"young_from", "declared"}:
             raise ValueError(f"Invalid continual state: keys {sorted(state) if isinstance(state, Mapping) else state!r}")
         if (state["ewc"] is None) != (self.ewc is None):
             raise ValueError("Invalid continual state: EWC state does not match ewc-lambda")
@@ -431,6 +450,7 @@ class PhaseController:
         if young is not None and not (isinstance(young, int) and not isinstance(young, bool) and 1 <= young <= int(state["num_classes"])):
             raise ValueError(f"Invalid continual state: young_from = {young!r}")
         self.replay = {str(s): dict(e) for s, e in state["replay"].items()}
+        self.declared = {str(s): [int(c) for c in h] for s, h in state.get("declared", {}).items()}
         self._set_young(young)
         self._records = None
 
