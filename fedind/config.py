@@ -93,6 +93,7 @@ class RunConfig:
     downlink: str = "none"  # server -> site models: none (dense every round) | topk (sparse steps of a mirrored model; fedind.topk.downlink)
     downlink_ratio: float = 0.05  # downlink topk: share of coordinates of the model's change sent per round
     downlink_quantization: str = "int8"  # downlink topk: int8 | int4 | sign
+    downlink_momentum: float = 0.0  # downlink topk: both ends predict the copy's next move as this times its last; the step corrects the prediction
     encryption: str = "none"  # none | paillier (the server sums site updates it cannot read; fedind.server.encrypted)
     paillier_public_key: str = ""  # paillier: the server's public key file ("": simulate() makes a throwaway pair)
     paillier_private_key: str = ""  # paillier: the sites' private key file, unless node config paillier-private-key
@@ -178,6 +179,7 @@ class RunConfig:
             "downlink": self.downlink in ("none", "topk"),
             "downlink-ratio": 0 < self.downlink_ratio <= 1,
             "downlink-quantization": self.downlink_quantization in ("int8", "int4", "sign"),
+            "downlink-momentum": 0 <= self.downlink_momentum < 1,
             "encryption": self.encryption in ENCRYPTIONS,
             "paillier-clip": math.isfinite(self.paillier_clip) and self.paillier_clip > 0,
             "paillier-key-bits": self.paillier_key_bits >= 512 and self.paillier_key_bits % 64 == 0,

@@ -120,7 +120,8 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
             spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
             own = None if checkpoint is not None else (digest({k: v.numpy() for k, v in initial.items()}), spec)
-            transform = CompressedDownlink(transform, config.downlink_ratio, config.downlink_quantization, own)
+            transform = CompressedDownlink(transform, config.downlink_ratio, config.downlink_quantization, own,
+                                           config.downlink_momentum)
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")

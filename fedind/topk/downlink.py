@@ -7,7 +7,18 @@ strategy's global model ``G`` by the top-k, quantised part of the gap::
     s_t = Q(top_k(G_t - P_{t-1}))      P_t = P_{t-1} + s_t      (the same float32 sum at both ends)
 
 What is not sent stays in ``G_t - P_t`` and goes out in a later round: error feedback with
-the residual kept implicitly (DoubleSqueeze, Tang et al. 2019). A site that holds
+the residual kept implicitly (DoubleSqueeze, Tang et al. 2019).
+
+With ``downlink-momentum`` :math:`\beta > 0` both ends first move their copy by
+:math:`\beta` times its last move, and the step corrects that prediction::
+
+    v_{t-1} = P_{t-1} - P_{t-2}      s_t = Q(top_k(G_t - (P_{t-1} + beta v_{t-1})))
+    P_t = P_{t-1} + beta v_{t-1} + s_t
+
+The global model moves with server momentum, so much of its next move is the last one
+continued: at the same bytes the copy lags the global model by a quarter less
+(``simulations/plant.py``, docs/benchmarks/plant.md). A site sent the whole model gets the
+velocity ``v_t`` with it. A site that holds
 ``P_{t-1}`` (its last reply confirmed that copy) receives ``s_t`` only; any other site
 (new, back after missing rounds, restarted without its state, or a plain Flower client,
 which never confirms a copy) receives the whole ``P_t``; arrays that changed shape (a grown
@@ -36,6 +47,7 @@ from .feedback import ErrorFeedback
 
 STALE_DOWNLINK = wire.STALE_DOWNLINK  # the code's table: fedind.wire
 BROADCAST = "downlink-model"  # context.state ArrayRecord: the site's copy of the broadcast model P
+VELOCITY = "downlink-velocity"  # context.state ArrayRecord: the copy's last move P_t - P_{t-1} (downlink-momentum)
 HELD = "downlink-held"  # context.state ConfigRecord: digest of each record the site holds, by name
 CACHED_PREFIX = "downlink-cache:"  # context.state ArrayRecord per cached record name
 CACHED_RUN_CONFIG = "downlink-run-config"  # context.state ConfigRecord: the run config text the site holds
@@ -68,6 +80,24 @@ def step_toward(
     gap = {name: np.asarray(target[name], np.float32) - np.asarray(held[name], np.float32) for name in target}
     payload = encode(ErrorFeedback(mode=mode, decay=0.0).compress(gap, ratio))
     return payload, apply_step(held, payload)
+
+
+def predicted(held: Mapping[str, np.ndarray], velocity: Mapping[str, np.ndarray] | None,
+              beta: float) -> dict[str, np.ndarray]:
+    """Where the copy is expected next: ``held + beta * velocity`` in float32, the same
+    operations at both ends (arrays without a velocity of their shape stay where they are)."""
+    out = {}
+    for name, base in held.items():
+        base = np.asarray(base, np.float32)
+        v = None if velocity is None else velocity.get(name)
+        out[name] = (base + np.float32(beta) * v).astype(np.float32) if beta and v is not None and v.shape == base.shape else base
+    return out
+
+
+def moved_by(before: Mapping[str, np.ndarray], after: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The velocity ``after - before`` of the arrays both hold with one shape (float32)."""
+    return {k: (after[k] - np.asarray(before[k], np.float32)).astype(np.float32)
+            for k in after if k in before and np.shape(before[k]) == after[k].shape}
 
 
 def apply_step(held: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.ndarray]:
@@ -137,15 +167,22 @@ class CompressedDownlink:
     Not in the server checkpoint: after a resume every site gets the whole model once.
     """
 
-    def __init__(self, inner, ratio: float, mode: str = "int8", initial: tuple[str, dict] | None = None) -> None:
+    def __init__(self, inner, ratio: float, mode: str = "int8", initial: tuple[str, dict] | None = None,
+                 momentum: float = 0.0) -> None:
         """``initial``: (digest, spec) of a first model the sites can build themselves
-        (:func:`fedind.models.initial_state` of ``spec``): sent as its spec, not its arrays."""
+        (:func:`fedind.models.initial_state` of ``spec``): sent as its spec, not its arrays.
+        ``momentum``: beta of the predicted step (``downlink-momentum``; 0 = plain steps)."""
         if not 0 < ratio <= 1:
             raise ValueError(f"Invalid downlink ratio {ratio!r}: expected 0 < ratio <= 1")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"Invalid downlink momentum {momentum!r}: expected 0 <= momentum < 1")
         self.inner = inner
         self.ratio = float(ratio)
         self.mode = mode
+        self.momentum = float(momentum)
         self.broadcast: dict[str, np.ndarray] | None = None  # P_t
+        self.velocity: dict[str, np.ndarray] | None = None  # P_t - P_{t-1} (momentum > 0)
+        self._beta = 0.0  # the beta this round's step was predicted with (0 for a sync step)
         self.held: dict[int, dict[str, str]] = {}  # node -> {record name: digest} it holds
         self._round_key: tuple | None = None  # (server round, id of the global ArrayRecord) P_t was made for
         self._gap: dict[str, np.ndarray] = {}  # G_t - P_t
@@ -172,7 +209,8 @@ class CompressedDownlink:
             # A calibration query needs the sites' features under G itself: its step is the
             # whole gap, int8 (SYNC_MODE), so P_t = G_t up to the rounding of the gap.
             sync = message.metadata.message_type in SYNC_MESSAGES
-            self._advance(_numpy(global_record), 1.0 if sync else self.ratio, SYNC_MODE if sync else self.mode)
+            self._advance(_numpy(global_record), 1.0 if sync else self.ratio, SYNC_MODE if sync else self.mode,
+                          0.0 if sync else self.momentum)
             self._round_key, self._records = key, {}
         base, payload, whole, new = self._step
         holds = self.held.get(node, {})
@@ -184,6 +222,8 @@ class CompressedDownlink:
         if payload is not None and wire.ARRAYS in holds:
             downlink[wire.DOWNLINK_BASE] = base
             downlink[wire.DOWNLINK_ORDER] = list(self.broadcast)
+            if self.momentum:  # the site keeps its copy's velocity (a sync step: beta 0)
+                downlink[wire.DOWNLINK_MOMENTUM] = self._beta
             content[wire.DOWNLINK_STEP] = to_record(payload)
             if whole:
                 content[wire.DOWNLINK_WHOLE] = _record({k: self.broadcast[k] for k in whole})
@@ -192,6 +232,8 @@ class CompressedDownlink:
             self._init_sent.add(node)
         else:
             content[wire.ARRAYS] = _record(self.broadcast)
+            if self.momentum and self.velocity:  # the site predicts its next step from it
+                content[wire.DOWNLINK_VELOCITY] = _record(self.velocity)
         sent = {wire.ARRAYS: new}
         for name, record in message.content.array_records.items():  # records the site may hold already
             if name == wire.ARRAYS:
@@ -219,26 +261,31 @@ class CompressedDownlink:
         message.content = content
         return message
 
-    def _advance(self, target: dict[str, np.ndarray], ratio: float, mode: str) -> None:
+    def _advance(self, target: dict[str, np.ndarray], ratio: float, mode: str, beta: float = 0.0) -> None:
         """P_{t-1} -> P_t toward ``target`` (G_t): a step (``ratio`` of the gap's coordinates,
-        quantised by ``mode``) over the arrays whose shape is unchanged; arrays that are new
-        or changed shape (a grown head) go whole."""
+        quantised by ``mode``, from the prediction ``P_{t-1} + beta v_{t-1}``) over the arrays
+        whose shape is unchanged; arrays that are new or changed shape (a grown head) go
+        whole, with no velocity."""
         previous = self.broadcast or {}
         kept = [k for k in target if k in previous and previous[k].shape == target[k].shape]
         whole = [k for k in target if k not in kept]
         step = None
         # steps whenever the downlink compresses (a sync step included: ratio 1, self.ratio < 1)
         if kept and set(previous) <= set(target) and _is_float_model(target) and self.ratio < 1:
+            held = {k: previous[k] for k in kept}
             try:
-                step, moved = step_toward({k: previous[k] for k in kept}, {k: target[k] for k in kept}, ratio, mode)
+                step, moved = step_toward(predicted(held, self.velocity, beta), {k: target[k] for k in kept}, ratio, mode)
             except ValueError:  # a non-finite gap: send the model whole
                 step = None
         if step is None:
             base, whole = "", []
             self.broadcast = {k: np.array(v, copy=True) for k, v in target.items()}
+            self.velocity = None
         else:
             base = digest(previous)
             self.broadcast = {k: moved[k] if k in moved else np.array(target[k], copy=True) for k in target}
+            self.velocity = moved_by(held, moved) if self.momentum else None
+        self._beta = beta if step is not None else 0.0
         self._step = (base, step, whole, digest(self.broadcast))
         self._gap = {k: (target[k].astype(np.float32) - self.broadcast[k]) for k in target if target[k].dtype.kind == "f"}
 
@@ -306,6 +353,7 @@ def downlink_mod(msg: Message, context: Context, call_next: Callable[[Message, C
         msg = _rebuild(msg, context)
     except (PayloadError, StaleDownlink) as err:
         context.state.pop(BROADCAST, None)
+        context.state.pop(VELOCITY, None)
         return Message(Error(code=STALE_DOWNLINK, reason=f"downlink: {err}; the server sends it whole next round"), reply_to=msg)
     reply = call_next(msg, context)
     if reply.has_error():
@@ -342,9 +390,8 @@ def _rebuild(msg: Message, context: Context) -> Message:
     msg = _with_unpacked(msg)
     downlink = msg.content.config_records[wire.DOWNLINK]
     token = str(downlink[wire.TOKEN])
-    content = RecordDict(
-        {k: v for k, v in msg.content.items() if k not in (wire.DOWNLINK, wire.DOWNLINK_STEP, wire.DOWNLINK_WHOLE)}
-    )
+    content = RecordDict({k: v for k, v in msg.content.items()
+                          if k not in (wire.DOWNLINK, wire.DOWNLINK_STEP, wire.DOWNLINK_WHOLE, wire.DOWNLINK_VELOCITY)})
     held_tokens = dict(context.state.config_records.get(HELD, ConfigRecord({})))
     if wire.DOWNLINK_BASE in downlink:
         base = str(downlink[wire.DOWNLINK_BASE])
@@ -355,19 +402,29 @@ def _rebuild(msg: Message, context: Context) -> Message:
         held = _numpy(context.state[BROADCAST])
         if any(k not in held for k in order if k not in whole):
             raise StaleDownlink(f"the step covers arrays the held model lacks ({sorted(set(order) - set(held) - set(whole))})")
-        moved = apply_step({k: held[k] for k in order if k not in whole}, from_record(msg.content[wire.DOWNLINK_STEP]))
+        stepped = {k: held[k] for k in order if k not in whole}
+        velocity = _numpy(context.state[VELOCITY]) if VELOCITY in context.state.array_records else None
+        start = predicted(stepped, velocity, float(downlink.get(wire.DOWNLINK_MOMENTUM, 0.0)))
+        moved = apply_step(start, from_record(msg.content[wire.DOWNLINK_STEP]))
         model = {k: whole[k] if k in whole else moved[k] for k in order}
         content[wire.ARRAYS] = _record(model)
+        velocity = moved_by(stepped, moved) if wire.DOWNLINK_MOMENTUM in downlink else None
     elif wire.DOWNLINK_INIT in downlink:
         from ..models import initial_state  # torch: only for this one message
 
         model = initial_state(**json.loads(str(downlink[wire.DOWNLINK_INIT])))
         content[wire.ARRAYS] = _record(model)
+        velocity = None
     else:
         model = _numpy(msg.content[wire.ARRAYS])
+        velocity = _numpy(msg.content[wire.DOWNLINK_VELOCITY]) if wire.DOWNLINK_VELOCITY in msg.content.array_records else None
     if digest(model) != token:
         raise StaleDownlink(f"rebuilt model {digest(model)!r} != {token!r}")
     context.state[BROADCAST] = _record(model)
+    if velocity:
+        context.state[VELOCITY] = _record(velocity)
+    else:
+        context.state.pop(VELOCITY, None)
     held_tokens[wire.ARRAYS] = token
     cached_config = downlink.get(f"{wire.CACHED_RECORD}{wire.RUN_CONFIG}")
     config = dict(msg.content.config_records.get(wire.CONFIG, {}))
