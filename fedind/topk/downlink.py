@@ -16,8 +16,9 @@ With ``downlink-momentum`` :math:`\beta > 0` both ends first move their copy by
     P_t = P_{t-1} + beta v_{t-1} + s_t
 
 The global model moves with server momentum, so much of its next move is the last one
-continued: at the same bytes the copy lags the global model by a quarter less
-(``simulations/plant.py``, docs/benchmarks/plant.md). A site sent the whole model gets the
+continued: at beta 0.5 and the same bytes the copy lags the global model by a quarter less
+(``simulations/downlink_lag.py``); what that does to the plant benchmark is in
+docs/benchmarks/plant.md (not adopted by the recipe). A site sent the whole model gets the
 velocity ``v_t`` with it. A site that holds
 ``P_{t-1}`` (its last reply confirmed that copy) receives ``s_t`` only; any other site
 (new, back after missing rounds, restarted without its state, or a plain Flower client,
