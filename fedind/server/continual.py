@@ -55,6 +55,7 @@ from ..files import atomic_write
 from .metering import payload_bytes, site_id_of
 from ..models import FaultCNN
 from .pipeline import ReplyPipeline
+from .screening import InvalidUpdate, check_histogram
 from .strategies import grow_strategy_classes, reset_strategy_rows
 
 MAX_CLASSES = 4096  # a classes-seen claim above this is ignored (logged): the head cannot grow without bound
@@ -151,9 +152,10 @@ class PhaseController:
         for reply in replies:
             if reply.has_error():
                 continue
-            site, metrics, proposal = _reported(reply)
+            site, metrics, proposal, histogram = _reported(reply)
             self._note_replay(site, metrics)
-            self._note_histogram(site, metrics)
+            if histogram is not None:
+                self.declared[site] = list(histogram)
             seen = metrics.get(wire.CLASSES_SEEN)
             if seen is None:
                 continue
@@ -324,11 +326,6 @@ class PhaseController:
         reset_strategy_rows(self.strategy, edited, range(weight.shape[0]))
         return edited
 
-    def _note_histogram(self, site: str, metrics: Mapping) -> None:
-        histogram = metrics.get(wire.LABEL_HISTOGRAM)
-        if isinstance(histogram, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in histogram):
-            self.declared[site] = list(histogram)
-
     def _declared_windows(self) -> dict[str, list[int]]:
         """Per site, the windows of each class it can describe: its latest label histogram,
         plus its whole replay buffer in every class (the buffer's mix is not reported)."""
@@ -455,14 +452,19 @@ class PhaseController:
         self._records = None
 
 
-def _reported(reply: Message) -> tuple[str, Mapping, Mapping | None]:
-    """(site, metrics, new-classes proposal) of a train reply: from its typed update
-    (:mod:`fedind.server.pipeline`), or read off a reply that came without one."""
+def _reported(reply: Message) -> tuple[str, Mapping, Mapping | None, tuple[int, ...] | None]:
+    """(site, metrics, new-classes proposal, checked label histogram or None) of a train
+    reply: from its typed update (:mod:`fedind.server.pipeline`), or read off a reply that
+    came without one (its histogram checked as the pipeline checks it)."""
     update = getattr(reply, "update", None)
     if update is not None:
-        return update.site_id, update.metrics, update.proposal
+        return update.site_id, update.metrics, update.proposal, update.histogram
     metrics = next(iter(reply.content.metric_records.values()), {})
-    return site_id_of(reply), metrics, reply.content.config_records.get(wire.NEW_CLASSES)
+    try:
+        histogram = tuple(check_histogram(metrics.get(wire.LABEL_HISTOGRAM), None, metrics.get(wire.NUM_EXAMPLES)))
+    except InvalidUpdate:
+        histogram = None
+    return site_id_of(reply), metrics, reply.content.config_records.get(wire.NEW_CLASSES), histogram
 
 
 def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

@@ -183,7 +183,6 @@ class CompressedDownlink:
         self.momentum = float(momentum)
         self.broadcast: dict[str, np.ndarray] | None = None  # P_t
         self.velocity: dict[str, np.ndarray] | None = None  # P_t - P_{t-1} (momentum > 0)
-        self._beta = 0.0  # the beta this round's step was predicted with (0 for a sync step)
         self.held: dict[int, dict[str, str]] = {}  # node -> {record name: digest} it holds
         self._round_key: tuple | None = None  # (server round, id of the global ArrayRecord) P_t was made for
         self._gap: dict[str, np.ndarray] = {}  # G_t - P_t
@@ -223,8 +222,8 @@ class CompressedDownlink:
         if payload is not None and wire.ARRAYS in holds:
             downlink[wire.DOWNLINK_BASE] = base
             downlink[wire.DOWNLINK_ORDER] = list(self.broadcast)
-            if self.momentum:  # the site keeps its copy's velocity (a sync step: beta 0)
-                downlink[wire.DOWNLINK_MOMENTUM] = self._beta
+            if self.momentum:  # the site keeps its copy's velocity (a sync step is not predicted: beta 0)
+                downlink[wire.DOWNLINK_MOMENTUM] = 0.0 if message.metadata.message_type in SYNC_MESSAGES else self.momentum
             content[wire.DOWNLINK_STEP] = to_record(payload)
             if whole:
                 content[wire.DOWNLINK_WHOLE] = _record({k: self.broadcast[k] for k in whole})
@@ -286,7 +285,6 @@ class CompressedDownlink:
             base = digest(previous)
             self.broadcast = {k: moved[k] if k in moved else np.array(target[k], copy=True) for k in target}
             self.velocity = moved_by(held, moved) if self.momentum else None
-        self._beta = beta if step is not None else 0.0
         self._step = (base, step, whole, digest(self.broadcast))
         self._gap = {k: (target[k].astype(np.float32) - self.broadcast[k]) for k in target if target[k].dtype.kind == "f"}
 
