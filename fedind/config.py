@@ -325,12 +325,6 @@ class RunConfig:
                 f"Invalid run config strategy = {self.strategy!r}: {why}, and a robust aggregator needs "
                 f"every site's update; use fedavg, fedprox, fedavgm, fedadam or dwa"
             )
-        if self.downlink != "none":
-            raise ConfigError(
-                f"Invalid run config downlink = {self.downlink!r}: with encryption = 'paillier' the sites "
-                f"send ciphertexts of their updates, which the compressed downlink cannot re-base yet; "
-                f"set downlink = 'none'"
-            )
         # compression = "topk" runs as sparse encrypted rounds: every site encrypts its values on the
         # server's announced coordinate set (fedind.paillier.sparse); the EF21 estimate cannot.
         if self.compression == "topk" and self.topk_feedback != "residual":

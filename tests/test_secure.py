@@ -23,6 +23,8 @@ from fedind.config import ConfigError, RunConfig
 from fedind.server.metering import MeteredGrid
 from fedind.paillier.site import SITE_KEY_MISSING, decrypt_query, paillier_mod
 from fedind.server.encrypted import REJECTED_CIPHERTEXT, SecureAggregation, encrypted_server
+from fedind.topk.downlink import CompressedDownlink, downlink_mod
+from fedind.topk.uplink import TopkUplink
 
 pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
@@ -648,7 +650,8 @@ def test_a_site_refuses_an_instruction_whose_digest_does_not_name_its_set(key_fi
 
 def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, key_files, site_side):
     """Sparse encrypted rounds end to end on the loopback runtime, real ciphertexts: every
-    round aggregates every site, and the uplink is the set's ciphertexts, not the model's."""
+    round aggregates every site, and the uplink is the set's ciphertexts, not the model's;
+    with the compressed downlink too, the sites get sparse steps instead of the model."""
     from fedind.site.app import app
     from fedind.simulation import simulate
 
@@ -662,9 +665,65 @@ def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, ke
         paillier_private_key=str(private_path), run_dir=str(tmp_path), topk_warmup_rounds=0, topk_ratio=0.05,
     )
     summaries = {name: simulate(RunConfig(**common, run_name=name, **extra), client_app=site_agent, runtime="loopback")
-                 for name, extra in (("sparse", dict(compression="topk")), ("dense", {}))}
+                 for name, extra in (("sparse", dict(compression="topk")), ("dense", {}),
+                                     ("both", dict(compression="topk", downlink="topk")))}
     for name, summary in summaries.items():
         rows = (tmp_path / name / "rounds.csv").read_text().splitlines()[1:]
         assert summary["rounds"] == 3 and summary["totals"]["failures"] == 0
         assert all(row.split(",")[5] == "3" for row in rows)  # sites aggregated per round
     assert summaries["sparse"]["totals"]["uplink_bytes"] * 8 < summaries["dense"]["totals"]["uplink_bytes"]
+    assert summaries["both"]["totals"]["downlink_bytes"] * 2 < summaries["sparse"]["totals"]["downlink_bytes"]
+
+
+# --------------------------------------------------------------------------- compressed downlink
+
+
+class CopySite(Site):
+    """A site behind the compressed downlink: it trains from the copy it rebuilt (the real
+    downlink mod) and moves it by its own fixed ``delta``."""
+
+    def __init__(self, node_id: int, delta: dict, n: int, histogram: list[int]):
+        super().__init__(node_id, {}, n, histogram)
+        self.delta, self.received = delta, None
+
+    def train(self, msg: Message, context: Context) -> Message:
+        self.received = {k: v.numpy().copy() for k, v in msg.content[wire.ARRAYS].items()}
+        self.local = {k: self.received[k] + self.delta[k] for k in self.received}
+        return super().train(msg, context)
+
+    def handle(self, msg: Message) -> Message:
+        if msg.metadata.message_type == MessageType.TRAIN:
+            return downlink_mod(msg, self.context, lambda m, c: paillier_mod(m, c, self.train))
+        return decrypt_query(msg, self.context)
+
+
+def test_under_the_compressed_downlink_the_decrypted_mean_moves_the_servers_own_model(key_files, site_side):
+    """The sites train from a copy that lags the global model (a 20 % step) and encrypt
+    their deltas from it; the server adds the decrypted mean to ITS model, as it re-bases
+    plaintext replies: G_3 = G_2 + mean(delta), not the copy + mean(delta)."""
+    cfg = config(key_files, downlink="topk", downlink_ratio=0.2, downlink_quantization="int4")
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
+    counts = (30, 10, 60)
+    sites = [CopySite(i + 1, arrays(20 + i, 0.05), n, [n, 0, 0]) for i, n in enumerate(counts)]
+    grid = SiteGrid(sites, site_side)
+    downlink = CompressedDownlink(TopkUplink(), 0.2, "int4")
+    metered = MeteredGrid(grid, transform=downlink, screen=pipeline)
+    train_config = ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower())})
+    weights = packing.integer_weights(list(counts))
+    model, sent_down = arrays(0), []
+    for server_round in (1, 2):
+        messages = strategy.configure_train(server_round, ArrayRecord({k: Array(v) for k, v in model.items()}),
+                                            train_config, metered)
+        replies = metered.send_and_receive(messages)
+        new, _ = strategy.aggregate_train(server_round, replies)
+        traffic = metered.take()
+        assert not traffic.failures
+        sent_down.append(traffic.downlink_bytes)
+        if server_round == 2:  # the sites held a lagging copy, not the global model
+            assert max(float(np.abs(sites[0].received[k] - model[k]).max()) for k in model) > 1e-3
+        expected = {k: model[k].astype(np.float64) + np.average(
+            np.stack([np.clip(s.delta[k].astype(np.float64), -CLIP, CLIP) for s in sites]), axis=0, weights=weights)
+            for k in model}
+        assert close(new, expected) <= packing.quantisation_bound(CLIP) + 4e-7
+        model = {k: new[k].numpy() for k in model}
+    assert sent_down[1] < sent_down[0]  # round 2: a sparse step to each site, not the model

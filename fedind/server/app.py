@@ -108,7 +108,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     screen = None
     if config.encryption == "paillier":  # the server holds the public key only (fedind.server.encrypted)
         strategy, pipeline = encrypted_server(config, num_sites, num_classes)
-        transform = None
+        transform = None  # nothing to decode in the clear: the pipeline parses the ciphertexts
     else:
         strategy = build_strategy(config, num_sites, num_classes)
         ef21 = config.compression == "topk" and config.topk_feedback == "estimate"
@@ -117,11 +117,14 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
                      else TopkUplink(config.topk_gain, schedule))
         screen = UpdateScreen(num_classes, **rules)
         pipeline = ReplyPipeline(uplink=transform, screen=screen)  # each reply decoded once, then screened
-        if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
-            spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
-            own = None if checkpoint is not None else (digest({k: v.numpy() for k, v in initial.items()}), spec)
-            transform = CompressedDownlink(transform, config.downlink_ratio, config.downlink_quantization, own,
-                                           config.downlink_momentum)
+    if config.downlink == "topk":  # sites mirror a broadcast model moved by sparse steps
+        # The sites' updates are deltas from that copy, plaintext or encrypted alike: the
+        # strategy (SecureAggregation: its decrypted mean) adds them to its own global model.
+        spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
+        own = None if checkpoint is not None else (digest({k: v.numpy() for k, v in initial.items()}), spec)
+        inner = transform if transform is not None else TopkUplink()  # encrypted: an uplink that passes replies on
+        transform = CompressedDownlink(inner, config.downlink_ratio, config.downlink_quantization, own,
+                                       config.downlink_momentum)
     saved = checkpoint.state if checkpoint else {}
     recorder = RunRecorder(
         folder, [RoundRow(**row) for row in saved.get("rows", [])], saved.get("initial_accuracy")
