@@ -224,17 +224,20 @@ class RunConfig:
         if self.encryption == "paillier":
             self._check_encryption()
 
+    def _needing_phases(self) -> list[tuple[str, Any, str]]:
+        """(key, value, why) of each setting that is on and needs phases > 1."""
+        return [(key, value, why) for key, value, why in (
+            ("phase-rounds", self.phase_rounds, "there is one phase"),
+            ("replay-samples", self.replay_samples, "a site's buffer is filled at the end of a phase"),
+            ("ewc-lambda", self.ewc_lambda, "the Fisher is taken at the end of a phase"),
+            ("head-calibration", self.head_calibration, "the moments include the replay buffer's windows"),
+        ) if value]
+
     def _check_phases(self) -> None:
         """The phase schedule must give every phase a round; replay and EWC need phases."""
         if self.phases == 1:
-            for key, value, why in (
-                ("phase-rounds", self.phase_rounds, "there is one phase"),
-                ("replay-samples", self.replay_samples, "a site's buffer is filled at the end of a phase"),
-                ("ewc-lambda", self.ewc_lambda, "the Fisher is taken at the end of a phase"),
-                ("head-calibration", self.head_calibration, "the moments include the replay buffer's windows"),
-            ):
-                if value:
-                    raise ConfigError(f"Invalid run config {key} = {value!r}: it needs phases > 1 ({why})")
+            for key, value, why in self._needing_phases():
+                raise ConfigError(f"Invalid run config {key} = {value!r}: it needs phases > 1 ({why})")
             return
         if self.phase_rounds < 1 or (self.phases - 1) * self.phase_rounds >= self.num_server_rounds:
             raise ConfigError(
@@ -332,10 +335,15 @@ class RunConfig:
                 f"Invalid run config topk-feedback = {self.topk_feedback!r}: {why}, and the EF21 estimate "
                 f"needs each site's sparse change in the clear; set topk-feedback = 'residual'"
             )
-        if self.head_calibration:
+        if self.phases > 1:  # the recipe's continual part: say every key to change at once
+            off = " ".join(["phases=1"] + [f"{key}={'false' if value is True else type(value)(0)}"
+                                          for key, value, _ in self._needing_phases()])
             raise ConfigError(
-                f"Invalid run config head-calibration = true: {why}, and the calibration reads each site's "
-                f"per-class feature moments in the clear; set head-calibration = false"
+                f"Invalid run config phases = {self.phases} / head-calibration = {str(self.head_calibration).lower()}: "
+                f"{why}; continual learning would need each site's Fisher and the calibration each site's "
+                f"feature moments in the clear, and a growing head changes the packed ciphertext layout. "
+                f"Run with --run-config \"{off}\" (or encryption = 'none'); docs/encryption.md says what "
+                f"else runs encrypted and at what accuracy"
             )
         if self.cclip_radius > 0:
             raise ConfigError(
@@ -354,12 +362,6 @@ class RunConfig:
             )
         # restart-agreement needs no check: DWA sees one (aggregate) reply, whose agreement is
         # 1 everywhere, so its restart is the ungated one (as with restart-agreement = 0).
-        if self.phases > 1:
-            raise ConfigError(
-                f"Invalid run config phases = {self.phases}: {why}; continual learning needs each site's "
-                "Fisher in the clear and grows the classifier head, which changes the packed ciphertext "
-                "layout; set phases = 1 or encryption = 'none'"
-            )
         if not self.data_root and max(1, round(self.fraction_train * self.num_sites)) < 2:
             raise ConfigError(
                 f"Invalid run config num-sites = {self.num_sites} / fraction-train = {self.fraction_train}: "

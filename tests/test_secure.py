@@ -675,6 +675,26 @@ def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, ke
     assert summaries["both"]["totals"]["downlink_bytes"] * 2 < summaries["sparse"]["totals"]["downlink_bytes"]
 
 
+def test_the_recipe_under_encryption_names_every_key_to_change_at_once(key_files):
+    """The recipe plus encryption is refused once, with the one --run-config fragment that
+    makes it run (phases, replay, EWC and calibration off; the sparse uplink and the
+    compressed downlink stay)."""
+    import re
+
+    from fedind.config import recipe
+
+    _, _, public_path = key_files
+    values = {**recipe().to_flower(), "encryption": "paillier", "paillier-public-key": str(public_path)}
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_flower(values)
+    fragment = re.search(r'--run-config "([^"]+)"', str(refused.value)).group(1)
+    changes = dict(item.split("=") for item in fragment.split())
+    assert set(changes) == {"phases", "phase-rounds", "replay-samples", "ewc-lambda", "head-calibration"}
+    parsed = {k: {"false": False}.get(v, float(v) if "." in v else int(v) if v.isdigit() else v) for k, v in changes.items()}
+    cfg = RunConfig.from_flower({**values, **parsed})
+    assert (cfg.phases, cfg.compression, cfg.downlink) == (1, "topk", "topk")
+
+
 # --------------------------------------------------------------------------- compressed downlink
 
 
