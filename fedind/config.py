@@ -339,9 +339,9 @@ class RunConfig:
             off = " ".join(["phases=1"] + [f"{key}={'false' if value is True else type(value)(0)}"
                                           for key, value, _ in self._needing_phases()])
             raise ConfigError(
-                f"Invalid run config phases = {self.phases} / head-calibration = {str(self.head_calibration).lower()}: "
-                f"{why}; continual learning would need each site's Fisher and the calibration each site's "
-                f"feature moments in the clear, and a growing head changes the packed ciphertext layout. "
+                f"Invalid run config phases = {self.phases}: {why}; continual learning would need each site's "
+                f"Fisher (and head calibration its feature moments) in the clear, and a growing head changes "
+                f"the packed ciphertext layout. "
                 f"Run with --run-config \"{off}\" (or encryption = 'none'); docs/encryption.md says what "
                 f"else runs encrypted and at what accuracy"
             )
