@@ -681,6 +681,8 @@ def test_the_recipe_under_encryption_names_every_key_to_change_at_once(key_files
     compressed downlink stay)."""
     import re
 
+    from flwr.common.config import parse_config_args
+
     from fedind.config import recipe
 
     _, _, public_path = key_files
@@ -688,10 +690,9 @@ def test_the_recipe_under_encryption_names_every_key_to_change_at_once(key_files
     with pytest.raises(ConfigError) as refused:
         RunConfig.from_flower(values)
     fragment = re.search(r'--run-config "([^"]+)"', str(refused.value)).group(1)
-    changes = dict(item.split("=") for item in fragment.split())
+    changes = parse_config_args([fragment])  # as `flwr run --run-config` reads it
     assert set(changes) == {"phases", "phase-rounds", "replay-samples", "ewc-lambda", "head-calibration"}
-    parsed = {k: {"false": False}.get(v, float(v) if "." in v else int(v) if v.isdigit() else v) for k, v in changes.items()}
-    cfg = RunConfig.from_flower({**values, **parsed})
+    cfg = RunConfig.from_flower({**values, **changes})
     assert (cfg.phases, cfg.compression, cfg.downlink) == (1, "topk", "topk")
 
 
