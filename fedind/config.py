@@ -98,6 +98,8 @@ class RunConfig:
     paillier_public_key: str = ""  # paillier: the server's public key file ("": simulate() makes a throwaway pair)
     paillier_private_key: str = ""  # paillier: the sites' private key file, unless node config paillier-private-key
     paillier_clip: float = 1.0  # paillier: update values are clipped to [-clip, clip] before fixed-point encoding
+    paillier_value_bits: int = 13  # paillier: bits of a value's level (stochastic rounding to 2^bits - 1 steps on each side of 0)
+    paillier_weight_bits: int = 9  # paillier: headroom bits for the integer site weights: at most 2^bits sites per sum
     paillier_key_bits: int = 2048  # paillier: size of the throwaway key pair that simulate() generates
     paillier_coordinates: str = "mixed"  # paillier with compression = topk: the round's announced set: mixed (half the largest of the last global change, half random) | change | random
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
@@ -182,6 +184,8 @@ class RunConfig:
             "downlink-momentum": 0 <= self.downlink_momentum < 1,
             "encryption": self.encryption in ENCRYPTIONS,
             "paillier-clip": math.isfinite(self.paillier_clip) and self.paillier_clip > 0,
+            "paillier-value-bits": 2 <= self.paillier_value_bits <= 20,
+            "paillier-weight-bits": 1 <= self.paillier_weight_bits <= 12,
             "paillier-key-bits": self.paillier_key_bits >= 512 and self.paillier_key_bits % 64 == 0,
             "paillier-coordinates": self.paillier_coordinates in PAILLIER_COORDINATES,
             "device": self.device in ("auto", "cpu", "cuda"),

@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedind.paillier import keys  # noqa: E402
+from fedind.paillier import keys, packing  # noqa: E402
 from fedind.paillier.packing import (  # noqa: E402
     VALUE_MAX,
     SumOutOfRange,
@@ -50,7 +50,7 @@ from fedind.paillier.packing import (  # noqa: E402
     unpack,
 )
 
-SLOT_BITS = keys.SLOT_BITS
+SLOT_BITS = packing.SLOT_BITS
 CHECKS = ("none", "slot-max, K=1024", "guard, K=512")
 ATTACKS = ("honest", "scaled-x10", "scaled-x1000", "scaled-x1e5", "few-x1e5", "garbage", "range-aware")
 
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> None:
     (out / "config.json").write_text(json.dumps(vars(args), indent=1))
     rng = np.random.default_rng(args.seed)
     key = keys.generate_keypair(args.key_bits)
-    slots, n, n2 = key.public.slots, key.public.n, key.public.n_square
+    slots, n, n2 = packing.FINE.slots(key.public), key.public.n, key.public.n_square
     k512 = integer_weights(np.ones(args.sites))
     by_k = {512: k512, 1024: [2 * k for k in k512]}  # the same shares with one bit less of guard
     records = {(a, c): {"refused": 0, "rel": [], "max": []} for a in ATTACKS for c in CHECKS}

@@ -16,7 +16,7 @@ scenario from the same initial model), measured side by side in one run:
 - encrypted vs plaintext simulations (same config, >= 5 sites, >= 5 rounds): final accuracy,
   for DWA with the default server momentum and for DWA weights without server momentum,
   plus a control: the PLAINTEXT run with exactly the encrypted path's two roundings (site
-  weights to multiples of 1/K = 1/512, packing.MAX_SITES; deltas stochastically rounded to
+  weights to multiples of 1/K, K = 2^paillier-weight-bits; deltas stochastically rounded to
   the fixed-point grid), which should track the encrypted run; it separates "the encrypted path computes what it documents" from "this
   trajectory is sensitive to a 1e-6 perturbation".
 
@@ -101,25 +101,27 @@ def naive(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, s
     }
 
 
-def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, clip: float) -> dict:
+def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, clip: float,
+           layout: packing.Layout = packing.FINE) -> dict:
     from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
     count, sites = deltas[0].size, len(deltas)
-    levels = [packing.quantise(d, clip) for d in deltas]
+    levels = [packing.quantise(d, clip, layout=layout) for d in deltas]
     clipped = sum(c for _, c in levels)
-    vectors, t_enc = cpu(lambda: [packing.encrypt_levels(lv, key, clip) for lv, _ in levels])
+    vectors, t_enc = cpu(lambda: [packing.encrypt_levels(lv, key, clip, layout=layout) for lv, _ in levels])
     # the same with obfuscators drawn ahead (as the site does while it trains)
-    n_ct = key.public.num_ciphertexts(count)
+    n_ct = layout.num_ciphertexts(key.public, count)
     pool = packing.ObfuscatorPool(key)
     _, t_obf = cpu(pool.fill, n_ct)
-    _, t_enc_pre = cpu(packing.encrypt_levels, levels[0][0], key, clip, pool)
+    _, t_enc_pre = cpu(packing.encrypt_levels, levels[0][0], key, clip, pool, layout=layout)
     parallel = packing.ObfuscatorPool(key, workers=2)
     started = time.perf_counter()
     parallel.fill(n_ct)
     wall_obf_2 = time.perf_counter() - started
     records = [v.to_config(key.public) for v in vectors]
-    _, t_parse = cpu(lambda: [packing.parse_record(r, key.public, kind="update", count=count, clip=clip) for r in records])
-    integers = packing.integer_weights(weights)
+    _, t_parse = cpu(lambda: [packing.parse_record(r, key.public, kind="update", count=count, clip=clip,
+                                                   layout=layout) for r in records])
+    integers = packing.integer_weights(weights, layout.max_weight)
     aggregate, t_agg = cpu(packing.weighted_sum, vectors, integers, key.public)
     mean, t_dec = cpu(packing.decrypt_sum, aggregate, key)
     phe_plain, t_dec_phe = cpu(lambda: [int(key.phe.raw_decrypt(c)) for c in aggregate.ciphertexts])
@@ -131,7 +133,10 @@ def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, 
     return {
         "parameters": count,
         "ciphertexts_per_site": n_ct,
-        "values_per_ciphertext": key.public.slots,
+        "values_per_ciphertext": layout.slots(key.public),
+        "slot_bits": layout.slot_bits,
+        "value_bits": layout.value_bits,
+        "weight_bits": layout.weight_bits,
         "encrypt_s_per_site": t_enc / sites,
         "obfuscators_s_per_site": t_obf,
         "encrypt_precomputed_s_per_site": t_enc_pre,
@@ -148,7 +153,7 @@ def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, 
         "clip": clip,
         "clipped_values": int(clipped),
         "max_abs_delta": float(max(np.abs(d).max() for d in deltas)),
-        "quantisation_bound": packing.quantisation_bound(clip),
+        "quantisation_bound": packing.quantisation_bound(clip, layout),
         "max_abs_error_vs_clipped_mean": float(np.max(np.abs(mean.astype(np.float64) - oracle))),
         "max_abs_error_vs_float_mean": float(np.max(np.abs(mean.astype(np.float64) - exact))),
         "mean_error_vs_clipped_mean": float(np.mean(mean.astype(np.float64) - oracle)),
@@ -176,9 +181,11 @@ def encrypted_rounding():
 
     exact_weights, exact_valid = strategy_module.dwa_weights, strategy_module.DWA._valid_updates
     rng = np.random.default_rng(0)
+    layout = strategy_module.DWA.encrypted_rounding_layout
+    q, k = layout.value_max, layout.max_weight
 
     def rounded_weights(*args, **kwargs):
-        return np.array(packing.integer_weights(exact_weights(*args, **kwargs)), dtype=np.float64) / packing.MAX_SITES
+        return np.array(packing.integer_weights(exact_weights(*args, **kwargs), k), dtype=np.float64) / k
 
     def fixed_point_updates(self, server_round, replies, current):
         updates = exact_valid(self, server_round, replies, current)
@@ -186,7 +193,7 @@ def encrypted_rounding():
         for u in updates:
             for name in u.arrays:
                 d = np.clip(u.arrays[name].astype(np.float64) - current[name].astype(np.float64), -clip, clip)
-                d = np.floor(d * (packing.VALUE_MAX / clip) + rng.random(d.shape)) * (clip / packing.VALUE_MAX)
+                d = np.floor(d * (q / clip) + rng.random(d.shape)) * (clip / q)
                 u.arrays[name] = (current[name].astype(np.float64) + d).astype(current[name].dtype)
         return updates
 
@@ -213,6 +220,7 @@ def simulations(base: RunConfig, out: Path, variants: list[str], control: bool) 
                     import fedind.server.dwa as strategy_module
 
                     strategy_module.DWA.encrypted_rounding_clip = config.paillier_clip
+                    strategy_module.DWA.encrypted_rounding_layout = packing.Layout.of(config)
                     with encrypted_rounding():
                         simulate(run)
                 else:
@@ -288,7 +296,27 @@ def table(r: dict) -> str:
                 f"{s['best_accuracy']:.4f} | {s['uplink_bytes_per_round'] / 1e3:,.1f} kB | "
                 f"{s['downlink_bytes_per_round'] / 1e3:,.1f} kB | {s['seconds']:.0f} s |"
             )
+    if r.get("other_layouts"):
+        lines += ["", layout_row_header(r["packed"]), *layout_rows(r["packed"], *r["other_layouts"])]
     return "\n".join(lines) + "\n"
+
+
+def layout_row_header(pk: dict) -> str:
+    return (f"The packing layouts side by side (the same updates and key; the first is this run's, "
+            f"{pk['slot_bits']}-bit slots):\n\n"
+            "| layout | values per ciphertext | ciphertext / float32 bytes | encrypt s per site | aggregate s per site "
+            "| decrypt s per round | max error (bound) | RMS error |\n|---|---|---|---|---|---|---|---|")
+
+
+def layout_rows(*runs: dict) -> list[str]:
+    return [
+        f"| {pk['slot_bits']}-bit slots: {pk['value_bits']}-bit levels, {pk['weight_bits']} weight bits "
+        f"| {pk['values_per_ciphertext']} | {pk['ciphertext_bytes'] / pk['float32_bytes']:.3f}× "
+        f"| {pk['encrypt_s_per_site']:.2f} | {pk['aggregate_s_per_site']:.3f} | {pk['decrypt_s_per_round']:.2f} "
+        f"| {pk['max_abs_error_vs_clipped_mean']:.2e} ({pk['quantisation_bound']:.2e}) "
+        f"| {pk['rms_error_vs_clipped_mean']:.1e} |"
+        for pk in runs
+    ]
 
 
 def main(argv: list[str]) -> None:
@@ -300,6 +328,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", default="runs/paillier-bench")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--no-control", action="store_true", help="skip the plaintext-with-rounding control runs")
+    parser.add_argument("--also-layouts", nargs="*", default=[], metavar="V/W",
+                        help="more packing layouts timed on the same updates, as value-bits/weight-bits (e.g. 3/7)")
     args, overrides = parser.parse_known_args(argv)
     base = parse_overrides(["strategy=dwa", f"num-sites={args.sites}", f"num-server-rounds={args.rounds}",
                             f"paillier-key-bits={args.bits}", "device=cpu", *ENCRYPTABLE, *overrides])
@@ -319,7 +349,11 @@ def main(argv: list[str]) -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     print(f"{len(deltas)} real updates of {deltas[0].size} parameters; timing the packed path ...", flush=True)
-    results["packed"] = packed(key, deltas, weights, base.paillier_clip)
+    results["packed"] = packed(key, deltas, weights, base.paillier_clip, packing.Layout.of(base))
+    results["other_layouts"] = [
+        packed(key, deltas, weights, base.paillier_clip, packing.Layout(*map(int, spec.split("/"))))
+        for spec in args.also_layouts
+    ]
     print(f"timing phe per value on {args.sample} parameters per site ...", flush=True)
     results["naive"] = naive(key, deltas, weights, args.sample)
     results["speedup_encrypt_per_param"] = (

@@ -19,7 +19,6 @@ from fedind.paillier import keys, packing
 from fedind.cli import main as cli_main
 from fedind.config import ConfigError, RunConfig
 from fedind.paillier.keys import (
-    SLOT_BITS,
     KeyFileError,
     PublicKey,
     load_private_key,
@@ -27,9 +26,11 @@ from fedind.paillier.keys import (
     save_keypair,
 )
 from fedind.paillier.packing import (
+    FINE,
     GUARD_BITS,
+    Layout,
     MAX_SITES,
-    VALUE_BITS,
+    SLOT_BITS,
     VALUE_MAX,
     CiphertextError,
     ObfuscatorPool,
@@ -55,9 +56,12 @@ def other_key():
     return keys.generate_keypair(512)
 
 
-def encrypt(values, key, clip=1.0):
-    levels, _ = quantise(np.asarray(values), clip)
-    return encrypt_levels(levels, key, clip)
+COMPACT = Layout(value_bits=3, weight_bits=7)  # 12-bit slots: 4-bit levels, up to 128 sites
+
+
+def encrypt(values, key, clip=1.0, layout=FINE):
+    levels, _ = quantise(np.asarray(values), clip, layout=layout)
+    return encrypt_levels(levels, key, clip, layout=layout)
 
 
 def raw_ciphertext(key, m: int) -> int:
@@ -91,7 +95,7 @@ def test_decrypted_weighted_sum_matches_the_plaintext_oracle_within_the_bound(ke
 
 def test_extremes_of_every_slot_survive_the_largest_weight_sum(key):
     """All sites at +clip (or -clip) with weights summing to K: the slot sums hit W * 2Q and 0."""
-    count = 2 * key.public.slots + 3
+    count = 2 * FINE.slots(key.public) + 3
     ones = np.ones(count, dtype=np.float32)
     aggregate = weighted_sum([encrypt(ones, key), encrypt(ones, key)], [MAX_SITES - 1, 1], key.public)
     assert np.all(decrypt_sum(aggregate, key) == 1.0)
@@ -149,7 +153,7 @@ def test_packing_bounds_hold_for_any_number_of_sites_at_the_extremes():
     weighted sum of the packed plaintexts (what decryption yields) stays below n, every slot
     below 2^SLOT_BITS, and unpacks to exactly the per-slot weighted sums."""
     rng = np.random.default_rng(7)
-    slots = PublicKey((1 << 2047) + 1).slots  # 2048-bit modulus: 85 slots, sum < 2^2040
+    slots = FINE.slots(PublicKey((1 << 2047) + 1))  # 2048-bit modulus: 85 slots, sum < 2^2040
     for draw in range(60):
         sites = int(rng.choice([2, 3, 5, 64, MAX_SITES, int(rng.integers(2, MAX_SITES + 1))]))
         raw = [np.ones(sites), rng.random(sites), rng.random(sites) ** 8, np.eye(1, sites, 0).ravel() + 1e-9][draw % 4]
@@ -173,7 +177,7 @@ def test_packing_bounds_hold_for_any_number_of_sites_at_the_extremes():
 def test_the_maximum_number_of_sites_at_the_clip_decodes_exactly(key):
     """K encrypted sites, all at +clip (or all at -clip, or alternating), weight 1 each (the
     integer weights of K equal sites): the slot sums hit W * 2Q and 0 and decode exactly."""
-    count = key.public.slots + 2
+    count = FINE.slots(key.public) + 2
     for values, expected in ((1.0, 1.0), (-1.0, -1.0)):
         vectors = [encrypt(np.full(count, values * 3.0), key)] * MAX_SITES  # clipped to +-1
         k = integer_weights(np.ones(MAX_SITES))
@@ -182,6 +186,63 @@ def test_the_maximum_number_of_sites_at_the_clip_decodes_exactly(key):
     plus, minus = encrypt(np.ones(count), key), encrypt(-np.ones(count), key)
     mean = decrypt_sum(weighted_sum([plus, minus] * (MAX_SITES // 2), [1] * MAX_SITES, key.public), key)
     assert np.all(mean == 0.0)
+
+
+# --------------------------------------------------------------------------- other layouts
+
+
+@pytest.mark.parametrize("value_bits, weight_bits", [(3, 7), (5, 6), (2, 1), (20, 12)])
+def test_a_layouts_slot_sums_never_reach_its_guard_bit_at_its_site_limit(value_bits, weight_bits):
+    """Any layout: K = 2^weight_bits sites at the top level 2Q sum to K 2Q, below the guard
+    bit, and the slots of a 2048-bit key stay below n; the sums unpack exactly."""
+    layout = Layout(value_bits, weight_bits)
+    q, k = layout.value_max, layout.max_weight
+    assert k * 2 * q < 2 ** (layout.slot_bits - GUARD_BITS)
+    slots = layout.slots(PublicKey((1 << 2047) + 1))
+    assert slots * layout.slot_bits <= 2047
+    rng = np.random.default_rng(value_bits)
+    levels = [np.full(slots + 1, 2 * q)] * (k - 1) + [rng.integers(0, 2 * q + 1, size=slots + 1)]
+    plaintexts = [pack(lv, slots, layout.slot_bits) for lv in levels]
+    total = [sum(m[j] for m in plaintexts) for j in range(2)]
+    sums = unpack(total, slots, slots + 1, slot_bits=layout.slot_bits)
+    assert np.array_equal(sums, sum(lv.astype(np.int64) for lv in levels))
+    assert packing.sum_fault(np.append(sums, [0] * (slots - 1)), k, slots + 1, layout) is None
+
+
+def test_the_compact_layout_decodes_the_weighted_mean_within_its_step(key):
+    """4-bit levels in 12-bit slots: 170 values per 2048-bit plaintext (85 in the fine layout);
+    the decrypted weighted mean is the clipped oracle within one step c/7, unbiased, and K =
+    128 sites at the clip decode exactly."""
+    assert COMPACT.slot_bits == 12 and COMPACT.slots(PublicKey((1 << 2047) + 1)) == 170
+    clip, count = 0.5, COMPACT.slots(key.public) + 5
+    rng = np.random.default_rng(11)
+    updates = [rng.normal(scale=0.2, size=count) for _ in range(5)]
+    k = integer_weights([3.0, 1.0, 0.5, 2.5, 1.0], COMPACT.max_weight)
+    assert sum(k) == 128
+    aggregate = weighted_sum([encrypt(u, key, clip, COMPACT) for u in updates], k, key.public)
+    assert len(aggregate.ciphertexts) == 2 and aggregate.layout == COMPACT
+    mean = decrypt_sum(aggregate, key)
+    oracle = np.average(np.stack([np.clip(u, -clip, clip) for u in updates]), axis=0, weights=k)
+    assert np.all(np.abs(mean - oracle) <= quantisation_bound(clip, COMPACT) + 1e-6)
+    assert abs(float(np.mean(mean - oracle))) < 0.1 * quantisation_bound(clip, COMPACT)  # unbiased
+    top = [encrypt(np.full(count, 9.0), key, clip, COMPACT)] * COMPACT.max_weight
+    assert np.all(decrypt_sum(weighted_sum(top, [1] * 128, key.public), key) == np.float32(clip))
+    with pytest.raises(CiphertextError, match="slot headroom"):
+        weighted_sum(top[:2], [128, 1], key.public)
+
+
+def test_a_payload_of_another_layout_is_refused_naming_the_run_config_keys(key):
+    """A site on the fine layout, a server on the compact one (or the reverse): refused, and
+    the message names the keys to align; mixing layouts in one sum is refused too."""
+    fine = encrypt(np.zeros(10), key)
+    compact = encrypt(np.zeros(10), key, layout=COMPACT)
+    with pytest.raises(CiphertextError, match="expected 12, 7 .run config paillier-value-bits = 3, paillier-weight-bits = 7"):
+        parse_record(fine.to_config(key.public), key.public, kind="update", layout=COMPACT)
+    with pytest.raises(CiphertextError, match="slot-bits 12, value-max 7: expected 24, 8191"):
+        parse_record(compact.to_config(key.public), key.public, kind="update")
+    assert parse_record(compact.to_config(key.public), key.public, kind="update", layout=COMPACT).layout == COMPACT
+    with pytest.raises(CiphertextError, match="layout"):
+        weighted_sum([fine, compact], [1, 1], key.public)
 
 
 def test_stochastic_rounding_is_unbiased_and_stays_on_the_neighbouring_levels():
@@ -212,7 +273,7 @@ def test_crt_short_exponent_decryption_equals_the_plain_one(key):
     assert key.short_exponents and key.order_p.bit_length() == keys.ORDER_BITS
     assert (key.p - 1) % key.order_p == 0 and (key.q - 1) % key.order_q == 0
     n = key.public.n
-    plaintexts = [0, 1, n - 1, 2 ** (key.public.slots * SLOT_BITS) - 1] + [secrets_below(n) for _ in range(20)]
+    plaintexts = [0, 1, n - 1, 2 ** (FINE.slots(key.public) * SLOT_BITS) - 1] + [secrets_below(n) for _ in range(20)]
     ciphertexts = [raw_ciphertext(key, m) for m in plaintexts]
     assert key.decrypt_many(ciphertexts) == plaintexts == [textbook_decrypt(key, c) for c in ciphertexts]
     assert [int(key.phe.raw_decrypt(c)) for c in ciphertexts] == plaintexts  # phe's CRT decryption
@@ -247,7 +308,7 @@ def test_a_site_that_encrypts_an_out_of_range_slot_makes_decryption_refuse(key):
     honest = encrypt(np.zeros(3), key)
     # slot 1 far above 2Q (the largest level a site can quantise to), short of a carry:
     # decryption catches slot sums above W * 2Q (not every in-range lie; README threat model)
-    cheat = [raw_ciphertext(key, (2**SLOT_BITS - 2**VALUE_BITS) << SLOT_BITS)]
+    cheat = [raw_ciphertext(key, (2**SLOT_BITS - 2**FINE.value_bits) << SLOT_BITS)]
     forged = packing.EncryptedVector("update", key.public.fingerprint, 3, 1.0, 1, 1, cheat)
     aggregate = weighted_sum([honest, forged], [1, 1], key.public)
     with pytest.raises(CiphertextError, match=r"value 1: decrypted slot sum .* exceeds .*overflow"):
@@ -277,7 +338,7 @@ def test_a_value_that_carries_into_the_next_slot_sets_the_guard_bit_and_is_refus
     bit, which no honest sum sets) in slot 0: refused, nothing decoded."""
     honest = encrypt(np.zeros(3), key)  # levels Q exactly
     liar = lying_update(key, [2**SLOT_BITS + 2 ** (SLOT_BITS - 1) - VALUE_MAX, VALUE_MAX, VALUE_MAX], 3)
-    sums = unpack(key.decrypt_many(weighted_sum([honest, liar], [1, 1], key.public).ciphertexts), key.public.slots, 3)
+    sums = unpack(key.decrypt_many(weighted_sum([honest, liar], [1, 1], key.public).ciphertexts), FINE.slots(key.public), 3)
     assert sums.tolist() == [2 ** (SLOT_BITS - 1), 2 * VALUE_MAX + 1, 2 * VALUE_MAX]  # the carry
     with pytest.raises(packing.SumOutOfRange, match=r"value 0: .*1 with the guard bit set\): overflow"):
         decrypt_sum(weighted_sum([honest, liar], [1, 1], key.public), key)
@@ -301,7 +362,7 @@ def test_a_lie_in_the_padding_after_the_last_value_is_refused(key):
 
 
 def test_a_plaintext_above_the_last_slot_makes_decryption_refuse(key):
-    cheat = [raw_ciphertext(key, 1 << (key.public.slots * SLOT_BITS))]
+    cheat = [raw_ciphertext(key, 1 << (FINE.slots(key.public) * SLOT_BITS))]
     forged = packing.EncryptedVector("aggregate", key.public.fingerprint, 3, 1.0, 2, 2, cheat)
     with pytest.raises(CiphertextError, match="bits above its 42 slots: overflow"):
         decrypt_sum(forged, key)
@@ -321,8 +382,8 @@ def test_payload_roundtrip_and_size(key):
 @pytest.mark.parametrize("bits, slots", [(1024, 42), (2048, 85), (3072, 127)])
 def test_ciphertext_bytes_are_at_most_1_6_times_the_float32_bytes(bits, slots):
     pub = PublicKey((1 << (bits - 1)) + 1)
-    assert pub.slots == slots and pub.ciphertext_bytes / (4 * pub.slots) <= 1.6
-    assert pub.slots * SLOT_BITS <= bits - 1  # every packed plaintext is below n
+    assert FINE.slots(pub) == slots and pub.ciphertext_bytes / (4 * FINE.slots(pub)) <= 1.6
+    assert FINE.slots(pub) * SLOT_BITS <= bits - 1  # every packed plaintext is below n
 
 
 def _tamper(record: dict, **changes) -> dict:
@@ -366,7 +427,7 @@ def test_a_payload_of_the_old_layout_or_the_wrong_size_is_refused(key):
     width = key.public.ciphertext_bytes
     old_size = math.ceil(count / ((key.public.bits - 1) // 31)) * width
     old = _tamper(record, version=1, ciphertexts=b"\1" * old_size, **{"slot-bits": 31, "value-max": 2**20 - 1})
-    with pytest.raises(CiphertextError, match="version 1: expected 'fedind.paillier' version 3 .24-bit slots"):
+    with pytest.raises(CiphertextError, match="version 1: expected 'fedind.paillier' version 3 "):
         parse_record(old, key.public, kind="update", count=count, clip=1.0)
     resized = _tamper(record, ciphertexts=record["ciphertexts"] + record["ciphertexts"][: old_size - len(record["ciphertexts"])])
     with pytest.raises(CiphertextError, match=f"hold {old_size} bytes, expected 5 x 256 = 1280 for 200 values"):
@@ -422,7 +483,7 @@ def test_pool_drawn_in_background_and_in_processes_encrypts_correctly(key):
     parallel = ObfuscatorPool(key, workers=2)
     parallel.fill(6)
     assert len(parallel) == 6
-    levels, _ = quantise(np.linspace(-0.5, 0.5, 6 * key.public.slots), 1.0)
+    levels, _ = quantise(np.linspace(-0.5, 0.5, 6 * FINE.slots(key.public)), 1.0)
     v = encrypt_levels(levels, key, 1.0, parallel)
     out = decrypt_sum(weighted_sum([v, v], [1, 1], key.public), key)
     assert np.abs(out - np.linspace(-0.5, 0.5, levels.size)).max() <= quantisation_bound(1.0) + 1e-7

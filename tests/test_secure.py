@@ -254,7 +254,7 @@ def plaintext(reply: Message) -> Message:
         (wrong_fingerprint, "key fingerprint abababababababab… does not match"),
         (out_of_range, "ciphertext 0 is out of range"),
         (plaintext, "carries plaintext arrays"),
-        (old_layout, "version 1: expected 'fedind.paillier' version 3 (24-bit slots"),
+        (old_layout, "version 1: expected 'fedind.paillier' version 3 "),
         (wrong_size, "truncated or padded"),
     ],
 )
@@ -280,8 +280,8 @@ def lie(key, site_side, levels_of_slot_0: int):
         site_side["site"] = True
         (r,) = key.obfuscators(1)
         site_side["site"] = False
-        n, n2, slots = key.public.n, key.public.n_square, key.public.slots
-        m = levels_of_slot_0 + sum(packing.VALUE_MAX << (keys.SLOT_BITS * s) for s in range(1, slots))
+        n, n2, slots = key.public.n, key.public.n_square, packing.FINE.slots(key.public)
+        m = levels_of_slot_0 + sum(packing.VALUE_MAX << (packing.SLOT_BITS * s) for s in range(1, slots))
         record = reply.content[wire.ENCRYPTED_UPDATE]
         forged = ((1 + m * n) * r % n2).to_bytes(key.public.ciphertext_bytes, "big")
         record["ciphertexts"] = forged + record["ciphertexts"][len(forged):]
@@ -293,9 +293,9 @@ def lie(key, site_side, levels_of_slot_0: int):
 @pytest.mark.parametrize(
     "slot_0, reason",
     [
-        (1 << (keys.SLOT_BITS * 21), "bits above its 21 slots"),  # a plaintext beyond the slots
+        (1 << (packing.SLOT_BITS * 21), "bits above its 21 slots"),  # a plaintext beyond the slots
         # under the liar's odd weight 51, 51 (2^24 + 2^23) carries 76 into slot 1 and leaves the guard bit set
-        (2**keys.SLOT_BITS + 2**23, "with the guard bit set"),
+        (2**packing.SLOT_BITS + 2**23, "with the guard bit set"),
     ],
 )
 def test_a_lying_site_makes_the_round_refused_with_a_logged_reason_and_the_next_round_goes_on(
@@ -552,7 +552,7 @@ def test_a_sparse_encrypted_round_is_the_mean_on_the_set_and_the_sites_keep_the_
         assert np.all(np.abs(residual[on] - (delta[on] - np.clip(delta[on], -CLIP, CLIP))) <= CLIP / packing.VALUE_MAX + 1e-6)
     # the uplink: ceil(35 / slots) ciphertexts per site instead of ceil(87 / slots)
     key = keys.load_public_key(key_files[2])
-    assert key.num_ciphertexts(35) < key.num_ciphertexts(MODEL_SIZE)
+    assert packing.FINE.num_ciphertexts(key, 35) < packing.FINE.num_ciphertexts(key, MODEL_SIZE)
 
 
 def wrong_set(reply: Message, key) -> Message:
@@ -564,7 +564,7 @@ def dense_version_2(reply: Message, key) -> Message:
     """A site that encrypts every coordinate in the old layout (version 2, no set)."""
     record = dict(reply.content[wire.ENCRYPTED_UPDATE])
     record.pop("set")
-    blob = b"\x01" * key.num_ciphertexts(MODEL_SIZE) * key.ciphertext_bytes
+    blob = b"\x01" * packing.FINE.num_ciphertexts(key, MODEL_SIZE) * key.ciphertext_bytes
     reply.content[wire.ENCRYPTED_UPDATE] = ConfigRecord({**record, "version": 2, "count": MODEL_SIZE, "ciphertexts": blob})
     return reply
 

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from ..paillier.keys import PASSPHRASE_ENV, generate_keypair, save_keypair
-from ..paillier.packing import MAX_SITES
+from ..paillier.packing import FINE
 
 PRIVATE_FILE = "paillier.key"
 PUBLIC_FILE = "paillier.pub"
@@ -61,7 +61,8 @@ def _paillier(args: argparse.Namespace) -> int:
     print(f"Paillier key pair, {key.public.bits} bits, fingerprint {key.public.fingerprint}")
     print(f"  {private}  private (mode 0600{', sealed' if passphrase else ''}): copy to every SITE only")
     print(f"  {public}  public: the SERVER's key")
-    print(f"  {key.public.slots} values per {key.public.ciphertext_bytes}-byte ciphertext; up to {MAX_SITES} sites per sum")
+    print(f"  {FINE.slots(key.public)} values per {key.public.ciphertext_bytes}-byte ciphertext at the default "
+          f"layout; up to {FINE.max_weight} sites per sum")
     print()
     print("server run config:  paillier-public-key='<path>/paillier.pub'  encryption='paillier'")
     print("each site:          flower-supernode ... --node-config \"paillier-private-key='<path>/paillier.key'\"")

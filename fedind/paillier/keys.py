@@ -61,7 +61,6 @@ __all__ = [
     "save_keypair",
 ]
 
-SLOT_BITS = 24  # bits of one packed value in a plaintext (the layout: fedind.paillier.packing)
 MIN_KEY_BITS = 512
 ORDER_BITS = 224  # a_p, a_q: the obfuscator subgroup's prime orders (the decryption exponents)
 PUBLIC_FORMAT = "fedind.paillier-public-key"
@@ -100,16 +99,8 @@ class PublicKey:
         return hashlib.sha256(self.n.to_bytes((self.n.bit_length() + 7) // 8, "big")).hexdigest()
 
     @property
-    def slots(self) -> int:
-        """Values per plaintext: ``floor((bits(n) - 1) / SLOT_BITS)``."""
-        return (self.bits - 1) // SLOT_BITS
-
-    @property
     def ciphertext_bytes(self) -> int:
         return (self.n_square.bit_length() + 7) // 8
-
-    def num_ciphertexts(self, count: int) -> int:
-        return -(-count // self.slots)
 
 
 class PrivateKey:

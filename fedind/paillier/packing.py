@@ -86,11 +86,13 @@ from dataclasses import dataclass
 import gmpy2
 import numpy as np
 
-from .keys import SLOT_BITS, PrivateKey, PublicKey
+from .keys import PrivateKey, PublicKey
 
 __all__ = [
     "CiphertextError",
     "EncryptedVector",
+    "FINE",
+    "Layout",
     "MAX_SITES",
     "MIN_SITES",
     "ObfuscatorPool",
@@ -110,11 +112,56 @@ FORMAT = "fedind.paillier"
 VERSION = 3
 DENSE_VERSION = 2  # read as a dense payload: version 3 without "set"
 GUARD_BITS = 1  # the top bit of a slot: no honest sum sets it (sum_fault)
-WEIGHT_BITS = 9
-MAX_SITES = 2**WEIGHT_BITS  # K: the integer weights of a sum add up to at most this
 MIN_SITES = 2  # an aggregate of fewer sites would be one site's update
-VALUE_BITS = SLOT_BITS - GUARD_BITS - 1 - WEIGHT_BITS  # 13
-VALUE_MAX = 2**VALUE_BITS - 1  # Q
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The bits of one packed slot: ``GUARD_BITS`` + 1 (sign, as the offset) + ``value_bits``
+    (the level, ``Q = 2^value_bits - 1``) + ``weight_bits`` (headroom for integer site weights
+    summing to ``K = 2^weight_bits``, so at most K sites per sum). Run config
+    ``paillier-value-bits`` / ``paillier-weight-bits``; the payload names it (``slot-bits``,
+    ``value-max``) and a payload of another layout is refused."""
+
+    value_bits: int = 13
+    weight_bits: int = 9
+
+    def __post_init__(self) -> None:
+        for name, value, low, high in (("value_bits", self.value_bits, 2, 20), ("weight_bits", self.weight_bits, 1, 12)):
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"Invalid {name} value: {value!r} (expected an int in {low}..{high})")
+
+    @classmethod
+    def of(cls, config) -> "Layout":
+        """The layout a :class:`~fedind.config.RunConfig` names (paillier-value-bits, paillier-weight-bits)."""
+        return cls(config.paillier_value_bits, config.paillier_weight_bits)
+
+    @property
+    def slot_bits(self) -> int:
+        return GUARD_BITS + 1 + self.value_bits + self.weight_bits
+
+    @property
+    def value_max(self) -> int:
+        """Q: levels lie in ``[-Q, Q]`` before the offset, ``[0, 2Q]`` after."""
+        return 2**self.value_bits - 1
+
+    @property
+    def max_weight(self) -> int:
+        """K: the integer weights of a sum add up to at most this (and so at most K sites)."""
+        return 2**self.weight_bits
+
+    def slots(self, key: PublicKey) -> int:
+        """Values per plaintext: ``floor((bits(n) - 1) / slot_bits)``."""
+        return (key.bits - 1) // self.slot_bits
+
+    def num_ciphertexts(self, key: PublicKey, count: int) -> int:
+        return -(-count // self.slots(key))
+
+
+FINE = Layout()  # 24-bit slots, 13-bit levels, up to 512 sites: 85 values per 2048-bit key
+SLOT_BITS = FINE.slot_bits
+VALUE_MAX = FINE.value_max
+MAX_SITES = FINE.max_weight
 KINDS = ("update", "aggregate")
 DENSE_KEYS = frozenset(
     {"format", "version", "kind", "key", "count", "slot-bits", "value-max", "clip", "weight", "sites", "ciphertexts"}
@@ -133,7 +180,9 @@ class SumOutOfRange(CiphertextError):
 # --------------------------------------------------------------------------- fixed point
 
 
-def quantise(values: np.ndarray, clip: float, rng: np.random.Generator | None = None) -> tuple[np.ndarray, int]:
+def quantise(
+    values: np.ndarray, clip: float, rng: np.random.Generator | None = None, layout: Layout = FINE
+) -> tuple[np.ndarray, int]:
     """``(levels int64 in [0, 2Q], number of clipped values)`` of finite float ``values``,
     rounded stochastically (unbiased: module docstring); ``rng`` defaults to fresh OS entropy."""
     if not (math.isfinite(clip) and clip > 0):
@@ -142,40 +191,43 @@ def quantise(values: np.ndarray, clip: float, rng: np.random.Generator | None = 
     if not np.all(np.isfinite(x)):
         raise ValueError(f"cannot encrypt {int(np.size(x) - np.isfinite(x).sum())} NaN/Inf values")
     clipped = int(np.count_nonzero(np.abs(x) > clip))
-    scaled = np.clip(x, -clip, clip) * (VALUE_MAX / clip)  # in [-Q, Q]
+    q = layout.value_max
+    scaled = np.clip(x, -clip, clip) * (q / clip)  # in [-Q, Q]
     rng = rng if rng is not None else np.random.default_rng()
     levels = np.floor(scaled + rng.random(scaled.size)).astype(np.int64)
-    return np.clip(levels, -VALUE_MAX, VALUE_MAX) + VALUE_MAX, clipped
+    return np.clip(levels, -q, q) + q, clipped
 
 
-def dequantise(sums: np.ndarray, weight: int, clip: float) -> np.ndarray:
-    """The weighted mean of slot sums ``T = sum_i k_i l_i`` with ``W = sum_i k_i = weight``."""
-    return ((sums.astype(np.float64) - weight * VALUE_MAX) * (clip / (weight * VALUE_MAX))).astype(np.float32)
+def dequantise(sums: np.ndarray, weight: int, clip: float, layout: Layout = FINE) -> np.ndarray:
+    """The weighted mean of slot sums ``T = sum_i k_i l_i`` with ``W = sum_i k_i = weight``
+    (``weight`` 1: the values of one site's offset levels)."""
+    q = layout.value_max
+    return ((sums.astype(np.float64) - weight * q) * (clip / (weight * q))).astype(np.float32)
 
 
-def quantisation_bound(clip: float) -> float:
+def quantisation_bound(clip: float, layout: Layout = FINE) -> float:
     """Largest |decrypted aggregate - weighted mean of the clipped float updates| (per value):
     one quantisation step (stochastic rounding; its mean error is 0)."""
-    return clip / VALUE_MAX
+    return clip / layout.value_max
 
 
-def pack(levels: np.ndarray, slots: int) -> list[int]:
-    """Plaintexts ``m = sum_s l_s 2^(SLOT_BITS s)``, ``slots`` levels each (the last padded with 0)."""
+def pack(levels: np.ndarray, slots: int, slot_bits: int = SLOT_BITS) -> list[int]:
+    """Plaintexts ``m = sum_s l_s 2^(slot_bits s)``, ``slots`` levels each (the last padded with 0)."""
     levels = np.asarray(levels, dtype=np.int64)
-    if levels.size and (levels.min() < 0 or levels.max() >= 2**SLOT_BITS):
-        raise ValueError(f"levels must lie in [0, 2^{SLOT_BITS})")
+    if levels.size and (levels.min() < 0 or levels.max() >= 2**slot_bits):
+        raise ValueError(f"levels must lie in [0, 2^{slot_bits})")
     rows = -(-levels.size // slots)
     padded = np.zeros(rows * slots, dtype=np.uint64)
     padded[: levels.size] = levels
-    bits = ((padded.reshape(rows, slots, 1) >> np.arange(SLOT_BITS, dtype=np.uint64)) & 1).astype(np.uint8)
-    packed = np.packbits(bits.reshape(rows, slots * SLOT_BITS), axis=1, bitorder="little")
+    bits = ((padded.reshape(rows, slots, 1) >> np.arange(slot_bits, dtype=np.uint64)) & 1).astype(np.uint8)
+    packed = np.packbits(bits.reshape(rows, slots * slot_bits), axis=1, bitorder="little")
     return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
-def unpack(plaintexts: Sequence[int], slots: int, count: int | None = None) -> np.ndarray:
+def unpack(plaintexts: Sequence[int], slots: int, count: int | None = None, slot_bits: int = SLOT_BITS) -> np.ndarray:
     """Inverse of :func:`pack` for slot sums: int64 ``[count]`` (None: every slot, the padding
     included). SumOutOfRange when a plaintext has bits above its last slot."""
-    width = slots * SLOT_BITS
+    width = slots * slot_bits
     nbytes = (width + 7) // 8
     rows = []
     for i, m in enumerate(plaintexts):
@@ -187,22 +239,22 @@ def unpack(plaintexts: Sequence[int], slots: int, count: int | None = None) -> n
         rows.append(np.frombuffer(m.to_bytes(nbytes, "little"), dtype=np.uint8))
     if not rows:
         return np.zeros(0, dtype=np.int64)
-    bits = np.unpackbits(np.stack(rows), axis=1, bitorder="little")[:, :width].reshape(-1, slots, SLOT_BITS)
-    powers = (1 << np.arange(SLOT_BITS, dtype=np.int64))
+    bits = np.unpackbits(np.stack(rows), axis=1, bitorder="little")[:, :width].reshape(-1, slots, slot_bits)
+    powers = (1 << np.arange(slot_bits, dtype=np.int64))
     return (bits.astype(np.int64) * powers).sum(axis=2).ravel()[:count]
 
 
-def sum_fault(sums: np.ndarray, weight: int, count: int) -> str | None:
+def sum_fault(sums: np.ndarray, weight: int, count: int, layout: Layout = FINE) -> str | None:
     """Why the slot sums ``sums`` (every slot, :func:`unpack`) of ``count`` values under the
     weight sum ``weight`` cannot come from honest sites, or None when they can: honest levels
     lie in ``[0, 2Q]``, so each value's sum lies in ``[0, W 2Q]`` (below the guard bit) and
     the padding after the last value sums to 0."""
     values, padding = sums[:count], sums[count:]
-    limit = weight * 2 * VALUE_MAX
+    limit = weight * 2 * layout.value_max
     over = np.flatnonzero(values > limit)
     if over.size:
         j = int(over[0])
-        guard = int(np.count_nonzero(values[over] >> (SLOT_BITS - GUARD_BITS)))
+        guard = int(np.count_nonzero(values[over] >> (layout.slot_bits - GUARD_BITS)))
         return (
             f"value {j}: decrypted slot sum {int(values[j])} exceeds {limit} = weight {weight} x 2Q "
             f"({over.size} of {count} values out of range, {guard} with the guard bit set): "
@@ -301,6 +353,7 @@ class EncryptedVector:
     sites: int
     ciphertexts: list[int]
     coordinates: str = ""
+    layout: Layout = FINE
 
     def to_config(self, key: PublicKey) -> dict:
         """The ConfigRecord content (module docstring); ``key`` gives the ciphertext width."""
@@ -311,8 +364,8 @@ class EncryptedVector:
             "kind": self.kind,
             "key": self.fingerprint,
             "count": int(self.count),
-            "slot-bits": SLOT_BITS,
-            "value-max": VALUE_MAX,
+            "slot-bits": self.layout.slot_bits,
+            "value-max": self.layout.value_max,
             "clip": float(self.clip),
             "weight": int(self.weight),
             "sites": int(self.sites),
@@ -322,28 +375,29 @@ class EncryptedVector:
 
 
 def encrypt_levels(
-    levels: np.ndarray, key: PrivateKey, clip: float, pool: ObfuscatorPool | None = None, coordinates: str = ""
+    levels: np.ndarray, key: PrivateKey, clip: float, pool: ObfuscatorPool | None = None, coordinates: str = "",
+    layout: Layout = FINE,
 ) -> EncryptedVector:
-    """Pack ``levels`` (from :func:`quantise`) and encrypt: ``(1 + m n) y mod n^2``;
+    """Pack ``levels`` (from :func:`quantise` under ``layout``) and encrypt: ``(1 + m n) y mod n^2``;
     ``coordinates``: the digest of the announced set the levels are on (``""``: dense)."""
     pub = key.public
-    plaintexts = pack(levels, pub.slots)
+    plaintexts = pack(levels, layout.slots(pub), layout.slot_bits)
     obfuscators = (pool or ObfuscatorPool(key)).take(len(plaintexts))
     n, n2 = gmpy2.mpz(pub.n), gmpy2.mpz(pub.n_square)
     ciphertexts = [int(((1 + m * n) % n2) * r % n2) for m, r in zip(plaintexts, obfuscators)]
     return EncryptedVector("update", pub.fingerprint, int(np.size(levels)), float(clip), 1, 1, ciphertexts,
-                           str(coordinates))
+                           str(coordinates), layout)
 
 
 def integer_weights(weights: Sequence[float], total: int = MAX_SITES) -> list[int]:
     """Non-negative integers summing to ``total`` with ``k_i / total`` nearest ``w_i / sum w``
-    (largest remainders). More than ``total`` sites is refused: the slot headroom is for a
-    weight sum of ``MAX_SITES``."""
+    (largest remainders), ``total`` the layout's ``max_weight``. More than ``total`` sites is
+    refused: the slot headroom is for a weight sum of ``total``."""
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise ValueError(f"Invalid weights: {weights!r} (need non-negative finite values, positive sum)")
-    if not (isinstance(total, int) and 1 <= total <= MAX_SITES):
-        raise ValueError(f"Invalid weight total {total!r}: 1..{MAX_SITES}")
+    if not (isinstance(total, int) and total >= 1):
+        raise ValueError(f"Invalid weight total {total!r}: a positive int")
     if w.size > total:
         raise CiphertextError(
             f"{w.size} sites exceed the slot headroom: at most {total} encrypted updates can be "
@@ -359,22 +413,25 @@ def integer_weights(weights: Sequence[float], total: int = MAX_SITES) -> list[in
 def weighted_sum(vectors: Sequence[EncryptedVector], weights: Sequence[int], key: PublicKey) -> EncryptedVector:
     """``Enc(sum_i k_i m_i) = prod_i c_i^k_i mod n^2`` (server side: public key only).
 
-    The vectors must be validated updates under ``key`` of equal count and clip; the integer
-    weights must be >= 0 and sum to at most :data:`MAX_SITES` (the slot headroom)."""
+    The vectors must be validated updates under ``key`` of equal count, clip and layout; the
+    integer weights must be >= 0 and sum to at most the layout's ``max_weight`` (the slot headroom)."""
     if len(vectors) != len(weights) or not vectors:
         raise ValueError("weighted_sum needs one integer weight per encrypted update")
-    if any(not isinstance(k, int) or k < 0 for k in weights) or not 0 < sum(weights) <= MAX_SITES:
-        raise CiphertextError(
-            f"integer weights {list(weights)} must be >= 0 with a sum in 1..{MAX_SITES} (the slot headroom)"
-        )
     first = vectors[0]
+    limit = first.layout.max_weight
+    if any(not isinstance(k, int) or k < 0 for k in weights) or not 0 < sum(weights) <= limit:
+        raise CiphertextError(
+            f"integer weights {list(weights)} must be >= 0 with a sum in 1..{limit} (the slot headroom)"
+        )
     for v in vectors:
         if v.kind != "update" or v.fingerprint != key.fingerprint:
             raise CiphertextError("weighted_sum takes updates under the server's key only")
-        if (v.count, v.clip, len(v.ciphertexts), v.coordinates) != (
-            first.count, first.clip, len(first.ciphertexts), first.coordinates
+        if (v.count, v.clip, len(v.ciphertexts), v.coordinates, v.layout) != (
+            first.count, first.clip, len(first.ciphertexts), first.coordinates, first.layout
         ):
-            raise CiphertextError("encrypted updates of one round differ in count, clip, length or coordinate set")
+            raise CiphertextError(
+                "encrypted updates of one round differ in count, clip, length, coordinate set or layout"
+            )
     n2 = gmpy2.mpz(key.n_square)
     terms = [(v.ciphertexts, k) for v, k in zip(vectors, weights) if k > 0]
     out = []
@@ -384,7 +441,7 @@ def weighted_sum(vectors: Sequence[EncryptedVector], weights: Sequence[int], key
             acc = acc * (cts[j] if k == 1 else gmpy2.powmod(cts[j], k, n2)) % n2
         out.append(int(acc))
     return EncryptedVector("aggregate", key.fingerprint, first.count, first.clip, sum(weights), len(terms), out,
-                           first.coordinates)
+                           first.coordinates, first.layout)
 
 
 def decrypt_sum(aggregate: EncryptedVector, key: PrivateKey) -> np.ndarray:
@@ -394,11 +451,12 @@ def decrypt_sum(aggregate: EncryptedVector, key: PrivateKey) -> np.ndarray:
         raise CiphertextError(
             f"key fingerprint {aggregate.fingerprint[:16]}… is not this site's key {key.public.fingerprint[:16]}…"
         )
-    sums = unpack(key.decrypt_many(aggregate.ciphertexts), key.public.slots)
-    fault = sum_fault(sums, aggregate.weight, aggregate.count)
+    layout = aggregate.layout
+    sums = unpack(key.decrypt_many(aggregate.ciphertexts), layout.slots(key.public), slot_bits=layout.slot_bits)
+    fault = sum_fault(sums, aggregate.weight, aggregate.count, layout)
     if fault is not None:
         raise SumOutOfRange(fault)
-    return dequantise(sums[: aggregate.count], aggregate.weight, aggregate.clip)
+    return dequantise(sums[: aggregate.count], aggregate.weight, aggregate.clip, layout)
 
 
 # --------------------------------------------------------------------------- payload
@@ -406,7 +464,7 @@ def decrypt_sum(aggregate: EncryptedVector, key: PrivateKey) -> np.ndarray:
 
 def parse_record(
     record: Mapping, key: PublicKey, *, kind: str, count: int | None = None, clip: float | None = None,
-    coordinates: str | None = None,
+    coordinates: str | None = None, layout: Layout = FINE,
 ) -> EncryptedVector:
     """Validate a ConfigRecord (as a mapping) against ``key``; CiphertextError names the fault.
 
@@ -422,7 +480,7 @@ def parse_record(
     if record.get("format") != FORMAT or type(version) is not int or version not in (DENSE_VERSION, VERSION):
         raise CiphertextError(
             f"format {record.get('format')!r} version {version!r}: expected {FORMAT!r} version {VERSION} "
-            f"({SLOT_BITS}-bit slots, with a coordinate set; or {DENSE_VERSION}, dense; the server and every "
+            f"(with a coordinate set; or {DENSE_VERSION}, dense; the server and every "
             f"site must run the same packing layout)"
         )
     expected_keys = RECORD_KEYS if version == VERSION else DENSE_KEYS
@@ -447,11 +505,13 @@ def parse_record(
             f"{key.fingerprint[:16]}… (encrypted under another key: provision the current key pair)"
         )
     if (type(record["slot-bits"]), type(record["value-max"])) != (int, int) or (
-        record["slot-bits"] != SLOT_BITS or record["value-max"] != VALUE_MAX
+        record["slot-bits"] != layout.slot_bits or record["value-max"] != layout.value_max
     ):
         raise CiphertextError(
             f"layout slot-bits {record['slot-bits']!r}, value-max {record['value-max']!r}: "
-            f"expected {SLOT_BITS}, {VALUE_MAX}"
+            f"expected {layout.slot_bits}, {layout.value_max} (run config paillier-value-bits = "
+            f"{layout.value_bits}, paillier-weight-bits = {layout.weight_bits}: the server and every site "
+            f"must run the same layout)"
         )
     n = record["count"]
     if type(n) is not int or n < 1 or (count is not None and n != count):
@@ -463,13 +523,15 @@ def parse_record(
     if kind == "update" and (type(weight) is not int or type(sites) is not int or weight != 1 or sites != 1):
         raise CiphertextError(f"an update has weight 1 and sites 1, got {weight!r}, {sites!r}")
     if kind == "aggregate" and not (
-        type(weight) is int and type(sites) is int and 1 <= sites <= weight <= MAX_SITES
+        type(weight) is int and type(sites) is int and 1 <= sites <= weight <= layout.max_weight
     ):
-        raise CiphertextError(f"aggregate weight {weight!r} / sites {sites!r}: need 1 <= sites <= weight <= {MAX_SITES}")
+        raise CiphertextError(
+            f"aggregate weight {weight!r} / sites {sites!r}: need 1 <= sites <= weight <= {layout.max_weight}"
+        )
     blob = record["ciphertexts"]
     if not isinstance(blob, bytes):
         raise CiphertextError(f"ciphertexts is a {type(blob).__name__}, expected bytes")
-    width, expected = key.ciphertext_bytes, key.num_ciphertexts(n)
+    width, expected = key.ciphertext_bytes, layout.num_ciphertexts(key, n)
     if len(blob) != width * expected:
         raise CiphertextError(
             f"ciphertexts hold {len(blob)} bytes, expected {expected} x {width} = {width * expected} "
@@ -482,4 +544,4 @@ def parse_record(
             raise CiphertextError(f"ciphertext {i} is out of range (must lie in [1, n^2))")
         if gmpy2.gcd(ct, key.n) != 1:
             raise CiphertextError(f"ciphertext {i} is not a unit mod n^2 (shares a factor with n)")
-    return EncryptedVector(kind, key.fingerprint, n, c, int(weight), int(sites), ciphertexts, named)
+    return EncryptedVector(kind, key.fingerprint, n, c, int(weight), int(sites), ciphertexts, named, layout)

@@ -21,6 +21,7 @@ from .sparse import SetFeedback, indices_from_bytes, set_digest
 from .packing import (
     MIN_SITES,
     CiphertextError,
+    Layout,
     ObfuscatorPool,
     SumOutOfRange,
     decrypt_sum,
@@ -53,7 +54,7 @@ def announced(msg: Message, count: int) -> tuple[np.ndarray, str]:
 
 
 def _load_feedback(context: Context, config: RunConfig) -> SetFeedback:
-    feedback = SetFeedback(config.paillier_clip, config.topk_residual_decay)
+    feedback = SetFeedback(config.paillier_clip, config.topk_residual_decay, Layout.of(config))
     if RESIDUAL in context.state:
         feedback.load_state_dict({"residual": context.state[RESIDUAL]["residual"].numpy()})
     return feedback
@@ -103,8 +104,9 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
             indices, digest = announced(msg, model_size(sent))
         except CiphertextError as err:
             return Message(Error(code=REJECTED_CIPHERTEXT, reason=f"refused the train instruction: {err}"), reply_to=msg)
+    layout = Layout.of(config)
     pool = ObfuscatorPool(key)
-    pool.fill_async(key.public.num_ciphertexts(model_size(sent) if indices is None else indices.size))
+    pool.fill_async(layout.num_ciphertexts(key.public, model_size(sent) if indices is None else indices.size))
     reply = call_next(msg, context)
     if reply.has_error():
         pool.wait()
@@ -112,12 +114,12 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
     started = time.perf_counter()
     delta = flat_delta(sent, reply.content[wire.ARRAYS])
     if indices is None:
-        levels, clipped = quantise(delta, config.paillier_clip)
+        levels, clipped = quantise(delta, config.paillier_clip, layout=layout)
     else:
         feedback = _load_feedback(context, config)
         levels, clipped = feedback.encode(delta, indices)
         context.state[RESIDUAL] = ArrayRecord({"residual": Array(feedback.residual)})
-    vector = encrypt_levels(levels, key, config.paillier_clip, pool, coordinates=digest)
+    vector = encrypt_levels(levels, key, config.paillier_clip, pool, coordinates=digest, layout=layout)
     content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})
     content[wire.ENCRYPTED_UPDATE] = ConfigRecord(vector.to_config(key.public))
     content[wire.METRICS][wire.ENCRYPT_SECONDS] = time.perf_counter() - started
@@ -135,7 +137,8 @@ def decrypt_query(msg: Message, context: Context) -> Message:
         record = msg.content.config_records.get(wire.ENCRYPTED_AGGREGATE)
         if record is None:
             raise CiphertextError(f"query without a {wire.ENCRYPTED_AGGREGATE!r} record")
-        aggregate = parse_record(record, key.public, kind="aggregate", clip=config.paillier_clip)
+        aggregate = parse_record(record, key.public, kind="aggregate", clip=config.paillier_clip,
+                                 layout=Layout.of(config))
         if aggregate.sites < MIN_SITES:  # defence in depth: it would be one site's update
             raise CiphertextError(f"an aggregate of {aggregate.sites} site(s) is not decrypted (minimum {MIN_SITES})")
         mean = decrypt_sum(aggregate, key)

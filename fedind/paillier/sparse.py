@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .packing import VALUE_MAX, quantise
+from .packing import FINE, Layout, dequantise, quantise
 
 __all__ = ["SET_RULES", "SetFeedback", "announced_set", "indices_from_bytes", "indices_to_bytes", "set_digest"]
 
@@ -97,13 +97,14 @@ class SetFeedback:
     :math:`\gamma` as ``topk-residual-decay``. The residual (float32, flat over the model's
     arrays in sorted-name order) is created lazily; :meth:`state_dict` saves it."""
 
-    def __init__(self, clip: float, decay: float = 1.0) -> None:
+    def __init__(self, clip: float, decay: float = 1.0, layout: Layout = FINE) -> None:
         if not (np.isfinite(clip) and clip > 0):
             raise ValueError(f"Invalid clip value: {clip!r}")
         if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0 <= decay <= 1):
             raise ValueError(f"Invalid decay value: {decay!r} (expected 0 <= decay <= 1)")
         self.clip = float(clip)
         self.decay = float(decay)
+        self.layout = layout
         self.residual: np.ndarray | None = None
 
     def encode(
@@ -115,8 +116,8 @@ class SetFeedback:
             if self.residual.size != u.size:
                 raise ValueError(f"Invalid update: {u.size} values, the residual has {self.residual.size}")
             u = u + self.decay * self.residual
-        levels, clipped = quantise(u[indices], self.clip, rng)
-        u[indices] -= (levels - VALUE_MAX) * (self.clip / VALUE_MAX)
+        levels, clipped = quantise(u[indices], self.clip, rng, self.layout)
+        u[indices] -= dequantise(levels, 1, self.clip, self.layout)
         self.residual = u.astype(np.float32)
         return levels, clipped
 

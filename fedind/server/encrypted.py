@@ -51,7 +51,7 @@ from .. import wire
 from ..aggregation.weighting import GlobalHistogram, dwa_weights
 from ..config import DWA_STRATEGIES, ConfigError, RunConfig
 from ..paillier.keys import KeyFileError, PublicKey, load_public_key
-from ..paillier.packing import MAX_SITES, MIN_SITES, CiphertextError, EncryptedVector, integer_weights, weighted_sum
+from ..paillier.packing import FINE, MIN_SITES, CiphertextError, EncryptedVector, Layout, integer_weights, weighted_sum
 from ..paillier.sparse import SET_RULES, announced_set, indices_to_bytes, set_digest
 from ..topk.selection import warmup_ratio
 from .pipeline import Rejected, ReplyPipeline, SiteUpdate, decode_reply, update_of
@@ -113,6 +113,7 @@ class SecureAggregation(Strategy):
         dwa: Mapping | None = None,
         num_classes: int | None = None,
         sparse: SparseRounds | None = None,
+        layout: Layout = FINE,
     ) -> None:
         super().__init__()
         if not isinstance(key, PublicKey):
@@ -120,6 +121,7 @@ class SecureAggregation(Strategy):
         self.strategy = strategy
         self.key = key
         self.clip = float(clip)
+        self.layout = layout
         self.timeout = float(timeout)
         self.dwa = dict(dwa) if dwa else None  # {"temperature": T, "floor": f} for DWA weights
         self.num_classes = num_classes
@@ -136,7 +138,9 @@ class SecureAggregation(Strategy):
     def summary(self) -> None:
         log(INFO, "\t├──> Paillier-encrypted aggregation:")
         log(INFO, "\t│\t├── Public key: %d bits, fingerprint %s…", self.key.bits, self.key.fingerprint[:16])
-        log(INFO, "\t│\t├── Packing: %d values per ciphertext, clip %s", self.key.slots, self.clip)
+        log(INFO, "\t│\t├── Packing: %d values per ciphertext (%d-bit slots, %d-bit levels), clip %s, up to %d sites",
+            self.layout.slots(self.key), self.layout.slot_bits, self.layout.value_bits, self.clip,
+            self.layout.max_weight)
         log(INFO, "\t│\t├── Site weights: %s", "DWA (KL of label histograms)" if self.dwa else "num-examples")
         if self.sparse is None:
             log(INFO, "\t│\t└── Coordinates: all (dense)")
@@ -185,7 +189,7 @@ class SecureAggregation(Strategy):
             return None, None
         weights = self._weights(updates)
         try:
-            integers = integer_weights(weights)
+            integers = integer_weights(weights, self.layout.max_weight)
             aggregate = weighted_sum([u.change for u in updates], integers, self.key)
         except CiphertextError as err:
             log(WARNING, "encrypted round %d: refused to aggregate: %s", server_round, err)
@@ -218,7 +222,7 @@ class SecureAggregation(Strategy):
         carry ciphertexts, one per site id."""
         num_classes = self.num_classes if self.global_histogram is not None else None
         decode = lambda r: decode_reply(self.instructions.get(r.metadata.src_node_id), r, self.arrays,  # noqa: E731
-                                        num_classes=num_classes, cipher=(self.key, self.clip))
+                                        num_classes=num_classes, cipher=(self.key, self.clip, self.layout))
         updates: list[SiteUpdate] = []
         seen: set[str] = set()
         for reply in replies:
@@ -368,11 +372,13 @@ def encrypted_server(
         key = load_public_key(config.paillier_public_key)
     except KeyFileError as err:
         raise ConfigError(f"Invalid run config paillier-public-key: {err}") from None
+    layout = Layout.of(config)
     per_round = max(1, round(config.fraction_train * num_sites))
-    if per_round < MIN_SITES or num_sites > MAX_SITES:
+    if per_round < MIN_SITES or num_sites > layout.max_weight:
         raise ConfigError(
-            f"encryption = 'paillier' needs {MIN_SITES} to {MAX_SITES} sites per round; this federation "
-            f"has {num_sites} sites, {per_round} sampled per round (num-sites / fraction-train / data-root)"
+            f"encryption = 'paillier' needs {MIN_SITES} to {layout.max_weight} sites per round (paillier-weight-bits "
+            f"= {layout.weight_bits}); this federation has {num_sites} sites, {per_round} sampled per round "
+            f"(num-sites / fraction-train / data-root)"
         )
     dwa = None
     inner_config = config
@@ -386,6 +392,6 @@ def encrypted_server(
                               config.seed, config.topk_gain)
     strategy = SecureAggregation(
         inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes,
-        sparse=sparse,
+        sparse=sparse, layout=layout,
     )
-    return strategy, ReplyPipeline(num_classes, cipher=(key, config.paillier_clip))
+    return strategy, ReplyPipeline(num_classes, cipher=(key, config.paillier_clip, layout))

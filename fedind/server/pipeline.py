@@ -114,10 +114,10 @@ def decode_reply(
 
     ``sent``: the global arrays that site got. ``uplink``: the top-k decoder (``decode(
     instruction, reply) -> dense change``, :mod:`fedind.topk.uplink`) for a reply carrying
-    ``sparse-update``. ``cipher``: ``(public key, clip)`` of an encrypted run."""
+    ``sparse-update``. ``cipher``: ``(public key, clip, packing layout)`` of an encrypted run."""
     content = reply.content
     if cipher is not None:
-        key, clip = cipher
+        key, clip, layout = cipher
         try:
             if content.array_records or wire.ENCRYPTED_UPDATE not in content.config_records:
                 raise CiphertextError(
@@ -129,7 +129,7 @@ def decode_reply(
             if announced is not None:  # a sparse round: k values on the set this site was sent
                 count, coordinates = len(announced[wire.SET_INDICES]) // 4, str(announced[wire.SET_DIGEST])
             vector = parse_record(content[wire.ENCRYPTED_UPDATE], key, kind="update", count=count, clip=clip,
-                                  coordinates=coordinates)
+                                  coordinates=coordinates, layout=layout)
         except CiphertextError as err:
             raise Rejected(wire.REJECTED_CIPHERTEXT, f"rejected encrypted update: {err}") from None
         return _typed(reply, sent, num_classes, vector, None)
