@@ -732,7 +732,14 @@ def test_under_the_compressed_downlink_the_decrypted_mean_moves_the_servers_own_
     train_config = ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower())})
     weights = packing.integer_weights(list(counts))
     model, sent_down = arrays(0), []
+    size = sum(v.size for v in model.values())
+
+    def residual(site):  # the site's error-feedback residual (flat, sorted names; zeros before round 1)
+        state = site.context.state
+        return state[RESIDUAL]["residual"].numpy().astype(np.float64) if RESIDUAL in state else np.zeros(size)
+
     for server_round in (1, 2):
+        before = [residual(s) for s in sites]
         messages = strategy.configure_train(server_round, ArrayRecord({k: Array(v) for k, v in model.items()}),
                                             train_config, metered)
         replies = metered.send_and_receive(messages)
@@ -742,9 +749,14 @@ def test_under_the_compressed_downlink_the_decrypted_mean_moves_the_servers_own_
         sent_down.append(traffic.downlink_bytes)
         if server_round == 2:  # the sites held a lagging copy, not the global model
             assert max(float(np.abs(sites[0].received[k] - model[k]).max()) for k in model) > 1e-3
-        expected = {k: model[k].astype(np.float64) + np.average(
-            np.stack([np.clip(s.delta[k].astype(np.float64), -CLIP, CLIP) for s in sites]), axis=0, weights=weights)
-            for k in model}
-        assert close(new, expected) <= packing.quantisation_bound(CLIP) + 4e-7
+        # each site sent delta + decay * (its last residual) - (its new residual): error feedback
+        sent = [np.concatenate([s.delta[k].astype(np.float64).ravel() for k in sorted(model)])
+                + cfg.topk_residual_decay * r0 - residual(s) for s, r0 in zip(sites, before)]
+        mean, offset, expected = np.average(np.stack(sent), axis=0, weights=weights), 0, {}
+        for k in sorted(model):
+            expected[k] = model[k].astype(np.float64) + mean[offset : offset + model[k].size].reshape(model[k].shape)
+            offset += model[k].size
+        assert close(new, expected) <= 1e-6
+        assert all(np.abs(residual(s)).max() <= packing.quantisation_bound(CLIP) + 1e-6 for s in sites)
         model = {k: new[k].numpy() for k in model}
     assert sent_down[1] < sent_down[0]  # round 2: a sparse step to each site, not the model

@@ -27,14 +27,13 @@ from .packing import (
     decrypt_sum,
     encrypt_levels,
     parse_record,
-    quantise,
 )
 
 PRIVATE_KEY_NODE_CONFIG = "paillier-private-key"  # node config: this site's private key file
 REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
 SITE_KEY_MISSING = wire.SITE_KEY_MISSING  # the code's table: fedind.wire
 SUM_OUT_OF_RANGE = wire.SUM_OUT_OF_RANGE  # the code's table: fedind.wire
-RESIDUAL = "paillier-residual"  # context.state ArrayRecord {"residual": float32 [model size]}: SetFeedback's
+RESIDUAL = "paillier-residual"  # context.state ArrayRecord {"residual": float32 [model size]}: SetFeedback's (sparse and dense rounds)
 
 
 def announced(msg: Message, count: int) -> tuple[np.ndarray, str]:
@@ -113,12 +112,9 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
         return reply
     started = time.perf_counter()
     delta = flat_delta(sent, reply.content[wire.ARRAYS])
-    if indices is None:
-        levels, clipped = quantise(delta, config.paillier_clip, layout=layout)
-    else:
-        feedback = _load_feedback(context, config)
-        levels, clipped = feedback.encode(delta, indices)
-        context.state[RESIDUAL] = ArrayRecord({"residual": Array(feedback.residual)})
+    feedback = _load_feedback(context, config)  # dense rounds too: the residual keeps the rounding error
+    levels, clipped = feedback.encode(delta, indices)
+    context.state[RESIDUAL] = ArrayRecord({"residual": Array(feedback.residual)})
     vector = encrypt_levels(levels, key, config.paillier_clip, pool, coordinates=digest, layout=layout)
     content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})
     content[wire.ENCRYPTED_UPDATE] = ConfigRecord(vector.to_config(key.public))

@@ -108,9 +108,13 @@ class SetFeedback:
         self.residual: np.ndarray | None = None
 
     def encode(
-        self, update: np.ndarray, indices: np.ndarray, rng: np.random.Generator | None = None
+        self, update: np.ndarray, indices: np.ndarray | None, rng: np.random.Generator | None = None
     ) -> tuple[np.ndarray, int]:
-        """``(levels of u' on indices, number clipped)``; the residual moves only on success."""
+        """``(levels of u' on indices, number clipped)``; ``indices`` None: every coordinate (a
+        dense round, whose residual keeps the clipped excess and the rounding error). The
+        residual moves only on success."""
+        if indices is None:
+            indices = slice(None)
         u = np.asarray(update, dtype=np.float64).ravel()
         if self.residual is not None:
             if self.residual.size != u.size:
