@@ -113,7 +113,7 @@ def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, 
     n_ct = layout.num_ciphertexts(key.public, count)
     pool = packing.ObfuscatorPool(key)
     _, t_obf = cpu(pool.fill, n_ct)
-    _, t_enc_pre = cpu(packing.encrypt_levels, levels[0][0], key, clip, pool, layout=layout)
+    _, t_enc_pre = cpu(lambda: packing.encrypt_levels(levels[0][0], key, clip, pool, layout=layout))
     parallel = packing.ObfuscatorPool(key, workers=2)
     started = time.perf_counter()
     parallel.fill(n_ct)
@@ -310,7 +310,7 @@ def layout_row_header(pk: dict) -> str:
 
 def layout_rows(*runs: dict) -> list[str]:
     return [
-        f"| {pk['slot_bits']}-bit slots: {pk['value_bits']}-bit levels, {pk['weight_bits']} weight bits "
+        f"| {pk['slot_bits']}-bit slots: {pk['value_bits']} value bits (Q = {2 ** pk['value_bits'] - 1}), {pk['weight_bits']} weight bits, clip {pk['clip']} "
         f"| {pk['values_per_ciphertext']} | {pk['ciphertext_bytes'] / pk['float32_bytes']:.3f}× "
         f"| {pk['encrypt_s_per_site']:.2f} | {pk['aggregate_s_per_site']:.3f} | {pk['decrypt_s_per_round']:.2f} "
         f"| {pk['max_abs_error_vs_clipped_mean']:.2e} ({pk['quantisation_bound']:.2e}) "
@@ -328,8 +328,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", default="runs/paillier-bench")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--no-control", action="store_true", help="skip the plaintext-with-rounding control runs")
-    parser.add_argument("--also-layouts", nargs="*", default=[], metavar="V/W",
-                        help="more packing layouts timed on the same updates, as value-bits/weight-bits (e.g. 3/7)")
+    parser.add_argument("--also-layouts", nargs="*", default=[], metavar="V/W[/CLIP]",
+                        help="more packing layouts timed on the same updates, as value-bits/weight-bits and "
+                             "optionally their paillier-clip (e.g. 3/7/0.1)")
     args, overrides = parser.parse_known_args(argv)
     base = parse_overrides(["strategy=dwa", f"num-sites={args.sites}", f"num-server-rounds={args.rounds}",
                             f"paillier-key-bits={args.bits}", "device=cpu", *ENCRYPTABLE, *overrides])
@@ -350,10 +351,12 @@ def main(argv: list[str]) -> None:
     }
     print(f"{len(deltas)} real updates of {deltas[0].size} parameters; timing the packed path ...", flush=True)
     results["packed"] = packed(key, deltas, weights, base.paillier_clip, packing.Layout.of(base))
-    results["other_layouts"] = [
-        packed(key, deltas, weights, base.paillier_clip, packing.Layout(*map(int, spec.split("/"))))
-        for spec in args.also_layouts
-    ]
+    results["other_layouts"] = []
+    for spec in args.also_layouts:
+        value_bits, weight_bits, *clip = spec.split("/")
+        layout = packing.Layout(int(value_bits), int(weight_bits))
+        results["other_layouts"].append(
+            packed(key, deltas, weights, float(clip[0]) if clip else base.paillier_clip, layout))
     print(f"timing phe per value on {args.sample} parameters per site ...", flush=True)
     results["naive"] = naive(key, deltas, weights, args.sample)
     results["speedup_encrypt_per_param"] = (

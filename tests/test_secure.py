@@ -177,6 +177,27 @@ def test_encrypted_round_equals_the_plaintext_weighted_mean_and_the_server_holds
     assert traffic.uplink_bytes > 3 * 2 * 87 * 4
 
 
+def test_a_compact_layout_round_sends_half_the_ciphertexts_and_decodes_within_its_step(key_files, site_side):
+    """paillier-value-bits 3, paillier-weight-bits 7: 12-bit slots, weights summing to 128;
+    the mean is the oracle's within one (coarser) step, and each site keeps what the step
+    rounded away in its residual."""
+    cfg = config(key_files, paillier_value_bits=3, paillier_weight_bits=7)
+    layout = packing.Layout(3, 7)
+    strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
+    g = arrays(0)
+    sites, locals_ = sites_for(g)
+    new, _, traffic = run_round(strategy, pipeline, SiteGrid(sites, site_side), g, cfg)
+    assert not traffic.failures
+    k = packing.integer_weights([30, 10, 60], layout.max_weight)
+    assert sum(k) == 128
+    assert close(new, oracle(g, locals_, k)) <= packing.quantisation_bound(CLIP, layout) + 1e-6
+    for site, local in zip(sites, locals_):
+        residual = site.context.state[RESIDUAL]["residual"].numpy()
+        assert 0 < np.abs(residual).max() <= packing.quantisation_bound(CLIP, layout) + 1e-6
+    assert layout.num_ciphertexts(keys.load_public_key(cfg.paillier_public_key), MODEL_SIZE) < \
+        packing.FINE.num_ciphertexts(keys.load_public_key(cfg.paillier_public_key), MODEL_SIZE)
+
+
 def test_dwa_weights_apply_under_encryption(key_files, site_side):
     cfg = config(key_files, strategy="dwa", conflict_buffer=False, dwa_momentum=0.0, dwa_temperature=0.5)
     strategy, pipeline = encrypted_server(cfg, num_sites=3, num_classes=3)
@@ -235,6 +256,13 @@ def old_layout(reply: Message) -> Message:
     return reply
 
 
+def other_layout(reply: Message) -> Message:
+    """A site configured with the compact layout (paillier-value-bits 3, weight-bits 7)."""
+    record = reply.content[wire.ENCRYPTED_UPDATE]
+    record["slot-bits"], record["value-max"] = 12, 7
+    return reply
+
+
 def wrong_size(reply: Message) -> Message:
     """A version-2 header over one ciphertext too many (what 31-bit slots would need)."""
     record = reply.content[wire.ENCRYPTED_UPDATE]
@@ -255,6 +283,7 @@ def plaintext(reply: Message) -> Message:
         (out_of_range, "ciphertext 0 is out of range"),
         (plaintext, "carries plaintext arrays"),
         (old_layout, "version 1: expected 'fedind.paillier' version 3 "),
+        (other_layout, "slot-bits 12, value-max 7: expected 24, 8191 (run config paillier-value-bits = 13"),
         (wrong_size, "truncated or padded"),
     ],
 )

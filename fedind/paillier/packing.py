@@ -6,28 +6,34 @@ query) and :mod:`fedind.server.encrypted` (server validation and aggregation); t
 
 Fixed point, clipping, packing (layout version 3; version 2 is the same without ``set``)
 -------------------------------------------------
-A site's update ``delta`` (float32, all arrays of the model flattened in sorted-name order)
-is clipped to ``[-c, c]`` (``c`` = ``paillier-clip``) and rounded stochastically to
+A :class:`Layout` has ``V`` value bits and ``B`` weight bits (run config
+``paillier-value-bits``, default 13, and ``paillier-weight-bits``, default 9); a slot has
+``b = 2 + V + B`` bits (24 by default). A site's update ``delta`` (float32, all arrays of the
+model flattened in sorted-name order) is clipped to ``[-c, c]`` (``c`` = ``paillier-clip``)
+and rounded stochastically to
 
 .. math::  \ell_j = \big\lfloor \mathrm{clip}(\delta_j, c) \cdot Q / c + u_j \big\rfloor + Q
-           \in [0, 2Q], \qquad u_j \sim U[0, 1), \qquad Q = 2^{13} - 1,
+           \in [0, 2Q], \qquad u_j \sim U[0, 1), \qquad Q = 2^V - 1,
 
 an offset (non-negative) level whose mean is exact: :math:`E[\ell_j] - Q = \mathrm{clip}(\delta_j, c) Q / c`.
-``S = floor((bits(n) - 1) / 24)`` levels go into one plaintext, slot ``s`` at bits
-``[24 s, 24 s + 24)``:
+(The site keeps ``delta - `` the dequantised level in its error-feedback residual and adds
+it to its next update: :class:`fedind.paillier.sparse.SetFeedback`.)
+``S = floor((bits(n) - 1) / b)`` levels go into one plaintext, slot ``s`` at bits
+``[b s, b s + b)``:
 
-.. math::  m = \sum_{s<S} \ell_s \, 2^{24 s} < 2^{24 S} \le 2^{bits(n)-1} < n
+.. math::  m = \sum_{s<S} \ell_s \, 2^{b s} < 2^{b S} \le 2^{bits(n)-1} < n
 
-(85 slots for a 2048-bit key, 42 for 1024; the last plaintext is padded with zero levels).
+(for a 2048-bit key: 85 slots of 24 bits, 170 of 12; the last plaintext is padded with zero levels).
 The server weights the sites with integers :math:`k_i \ge 0`, :math:`\sum_i k_i = W \le K`,
-:math:`K = 2^9` (:func:`integer_weights` rounds the strategy's weights to multiples of
+:math:`K = 2^B` (:func:`integer_weights` rounds the strategy's weights to multiples of
 :math:`1/K`, whatever the number of sites, so the headroom is for the weight sum, not the site
 count) and computes :math:`\prod_i c_i^{k_i} = \mathrm{Enc}(\sum_i k_i m_i)`. Each slot then
-holds :math:`T = \sum_i k_i \ell_i \le W \cdot 2Q \le 2^9(2^{14}-2) < 2^{23}`: the bit budget
-is 24 = 1 (guard) + 1 (sign, as the offset) + 13 (value) + 9 (weight headroom), so no honest
-slot sum carries into the next whatever the number of sites, a sum of more than
-:data:`MAX_SITES` = K sites (some would get weight 0) is refused, and the top bit of every
-slot is a guard bit no honest sum sets.
+holds :math:`T = \sum_i k_i \ell_i \le W \cdot 2Q \le 2^B(2^{V+1}-2) < 2^{b-1}`: the bit budget
+is ``b`` = 1 (guard) + 1 (sign, as the offset) + V (value) + B (weight headroom), so no honest
+slot sum carries into the next whatever the number of sites, a sum of more than K sites
+(some would get weight 0) is refused, and the top bit of every slot is a guard bit no
+honest sum sets. A payload names its layout (``slot-bits``, ``value-max``); one of another
+layout is refused.
 
 Range check (the decrypting site, :func:`sum_fault`): a lying site may encrypt any plaintext
 mod ``n``; it is caught when the SUM leaves what honest sites can produce: a slot above
@@ -37,7 +43,7 @@ raises :class:`SumOutOfRange` and nothing is decoded. What it cannot catch: a li
 stays in range (a site that knows the others' sum can move every value of the mean anywhere
 in ``[-c, c]``: only zero-knowledge range proofs would stop it), and which site lied (the
 check sees the sum only; decrypting one site's update is never done). A lie that wraps a
-slot past :math:`2^{24}` lands in the guard half with probability about 1/2 per slot.
+slot past :math:`2^b` lands in the guard half with probability about 1/2 per slot.
 The decrypting site returns
 
 .. math::  \hat d_j = \frac{T_j - W Q}{W Q}\, c
@@ -64,8 +70,8 @@ key               type    meaning
 ``set``           str     ``""``: every coordinate (dense); else the digest of the round's
                           announced coordinate set (:func:`fedind.paillier.sparse.set_digest`),
                           the values in the order of the set
-``slot-bits``     int     24
-``value-max``     int     Q = 2**13 - 1
+``slot-bits``     int     b = 2 + V + B (24 by default)
+``value-max``     int     Q = 2**V - 1
 ``clip``          float   c
 ``weight``        int     1 for an update; W = sum of the integer weights for an aggregate
 ``sites``         int     1 for an update; number of sites in an aggregate

@@ -1,7 +1,8 @@
 """Paillier-encrypted aggregation at the site: the client mod that sends the encrypted,
 packed delta instead of weights (all of it, or with ``compression = "topk"`` its values on
-the round's announced coordinate set, the rest kept in an error-feedback residual:
-:mod:`fedind.paillier.sparse`), and the query handler that decrypts the round's weighted
+the round's announced coordinate set; what was not sent — the coordinates off the set, the
+clipped excess, the rounding error — is kept in an error-feedback residual and added to the
+next update: :mod:`fedind.paillier.sparse`), and the query handler that decrypts the round's weighted
 sum. The round and the server's half: :mod:`fedind.server.encrypted`; the maths:
 :mod:`fedind.paillier.packing`; the key files: :mod:`fedind.paillier.keys`.
 """
