@@ -102,6 +102,7 @@ class RunConfig:
     paillier_weight_bits: int = 9  # paillier: headroom bits for the integer site weights: at most 2^bits sites per sum
     paillier_key_bits: int = 2048  # paillier: size of the throwaway key pair that simulate() generates
     paillier_coordinates: str = "mixed"  # paillier with compression = topk: the round's announced set: mixed (half the largest of the last global change, half random) | change | random
+    paillier_train_set: bool = True  # paillier with compression = topk: sites train only the round's announced coordinates (the rest stay as received), so their whole update is on the set
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
     min_sites: int = 1  # a round with fewer successful site updates leaves the global model unchanged

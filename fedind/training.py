@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,6 +153,7 @@ def train_local(
     penalty: Callable[[nn.Module], torch.Tensor] | None = None,
     grad_clip: float = 0.0,
     conditioned: torch.Tensor | None = None,
+    trainable: Mapping[str, torch.Tensor] | None = None,
 ) -> TrainResult:
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
 
@@ -175,6 +176,12 @@ def train_local(
 
     ``conditioned``: ``condition_windows(model, data.x)`` computed beforehand (a site's
     cache, :mod:`fedind.site.cache`); the steps are the same as without it.
+
+    ``trainable``: boolean masks by parameter name (e.g. a sparse encrypted round's announced
+    coordinates, :func:`fedind.paillier.sparse.coordinate_masks`): only those coordinates
+    train. Gradients are masked before clipping, and after each step the other coordinates
+    are put back to their values on entry (weight decay and momentum would move them). A
+    parameter without a mask trains freely.
 
     With the defaults the steps are exactly those of plain training.
     """
@@ -205,6 +212,7 @@ def train_local(
         replay_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
         replay_generator = torch.Generator().manual_seed(replay_seed)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
+    frozen = _frozen_coordinates(model, trainable, device) if trainable is not None else []
     optimizer = MomentumSGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
     loss_fn = nn.CrossEntropyLoss()
@@ -237,12 +245,35 @@ def train_local(
                 loss = loss + penalty(model)
             optimizer.zero_grad()
             loss.backward()
+            for p, keep, _ in frozen:
+                if p.grad is not None:
+                    p.grad.mul_(keep)
             if grad_clip > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()
+            with torch.no_grad():
+                for p, keep, start in frozen:
+                    p.copy_(torch.where(keep, p, start))
             total += float(loss.detach())
             steps += 1
     return TrainResult(loss=total / max(steps, 1), steps=steps)
+
+
+def _frozen_coordinates(
+    model: nn.Module, trainable: Mapping[str, torch.Tensor], device: torch.device
+) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+    """``(parameter, its boolean mask, its values on entry)`` of every masked parameter."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(trainable) - set(params))
+    if unknown:
+        raise ValueError(f"trainable masks for parameters the model lacks: {unknown}")
+    out = []
+    for name, mask in trainable.items():
+        p = params[name]
+        if tuple(mask.shape) != tuple(p.shape) or mask.dtype != torch.bool:
+            raise ValueError(f"trainable mask of {name}: {mask.dtype}{tuple(mask.shape)}, expected bool{tuple(p.shape)}")
+        out.append((p, mask.to(device), p.detach().clone()))
+    return out
 
 
 @torch.no_grad()

@@ -791,3 +791,63 @@ def test_under_the_compressed_downlink_the_decrypted_mean_moves_the_servers_own_
         assert all(np.abs(residual(s)).max() <= packing.quantisation_bound(CLIP) + 1e-6 for s in sites)
         model = {k: new[k].numpy() for k in model}
     assert sent_down[1] < sent_down[0]  # round 2: a sparse step to each site, not the model
+
+
+# --------------------------------------------------------------------------- training on the set
+
+
+@pytest.mark.parametrize("train_set", [True, False])
+def test_a_site_in_a_sparse_encrypted_round_trains_only_the_announced_coordinates(key_files, train_set):
+    """The real site handler (synthetic line 0): with paillier-train-set (the default) every
+    coordinate off the round's set comes back exactly as sent and the set's coordinates
+    train; without it the whole model trains and the mod leaves the rest in the residual."""
+    import torch
+
+    from fedind.models import FaultCNN
+    from fedind.site.app import train
+
+    cfg = config(key_files, compression="topk", num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8,
+                 model_width=8, device="cpu", paillier_train_set=train_set)
+    torch.manual_seed(0)
+    sent = {k: v.detach().numpy().copy() for k, v in FaultCNN(1, 10, 8).state_dict().items()}
+    size = sum(v.size for v in sent.values())
+    indices = np.sort(np.random.default_rng(1).choice(size, size // 10, replace=False))
+    msg = Message(RecordDict({
+        wire.ARRAYS: ArrayRecord({k: Array(v) for k, v in sent.items()}),
+        wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(cfg.to_flower()), wire.SERVER_ROUND: 2}),
+        wire.PAILLIER_SET: ConfigRecord({wire.SET_INDICES: sparse.indices_to_bytes(indices),
+                                         wire.SET_DIGEST: sparse.set_digest(indices, size, 2)}),
+    }), dst_node_id=1, message_type=MessageType.TRAIN)
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 3},
+                      state=RecordDict(), run_config={})
+    reply = train(msg, context)
+    delta = np.concatenate([(reply.content[wire.ARRAYS][k].numpy() - sent[k]).ravel() for k in sorted(sent)])
+    on = np.zeros(size, dtype=bool)
+    on[indices] = True
+    assert np.count_nonzero(delta[on]) > 0.9 * on.sum()  # the set trains
+    if train_set:
+        assert not delta[~on].any()  # bit for bit as sent
+    else:
+        assert np.count_nonzero(delta[~on]) > 0.9 * (~on).sum()
+
+
+def test_coordinate_masks_split_the_flat_set_by_sorted_names():
+    masks = sparse.coordinate_masks(np.array([0, 4, 5, 9]), {"b": (2, 3), "a": (4,)})
+    assert masks["a"].tolist() == [True, False, False, False]  # a: flat 0..3
+    assert masks["b"].tolist() == [[True, True, False], [False, False, True]]  # b: flat 4..9
+
+
+def test_train_local_refuses_a_mask_that_does_not_fit_the_model():
+    import torch
+
+    from fedind.data.format import SiteArrays
+    from fedind.models import FaultCNN
+    from fedind.training import train_local
+
+    model = FaultCNN(1, 3, 8)
+    data = SiteArrays(np.zeros((4, 1, 256), np.float32), np.zeros(4, np.int64))
+    name, p = next(iter(model.named_parameters()))
+    for bad, why in (({"nope": torch.ones(1, dtype=torch.bool)}, "lacks"),
+                     ({name: torch.ones(p.shape)}, "expected bool")):
+        with pytest.raises(ValueError, match=why):
+            train_local(model, data, epochs=1, batch_size=2, lr=0.1, seed=0, device=torch.device("cpu"), trainable=bad)

@@ -34,7 +34,9 @@ import numpy as np
 
 from .packing import FINE, Layout, dequantise, quantise
 
-__all__ = ["SET_RULES", "SetFeedback", "announced_set", "indices_from_bytes", "indices_to_bytes", "set_digest"]
+__all__ = [
+    "SET_RULES", "SetFeedback", "announced_set", "coordinate_masks", "indices_from_bytes", "indices_to_bytes", "set_digest",
+]
 
 SET_RULES = ("random", "change", "mixed")
 
@@ -88,6 +90,19 @@ def indices_from_bytes(blob: bytes, count: int) -> np.ndarray:
     if indices[-1] >= count or np.any(np.diff(indices) <= 0):
         raise ValueError(f"coordinate set: indices must be strictly increasing and below {count}")
     return indices
+
+
+def coordinate_masks(indices: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Boolean masks, one per array of ``shapes``, true on the coordinates of ``indices``
+    (flat over the arrays in sorted-name order, as the sites encrypt them)."""
+    flat = np.zeros(sum(int(np.prod(shape)) for shape in shapes.values()), dtype=bool)
+    flat[np.asarray(indices, dtype=np.int64)] = True
+    masks, offset = {}, 0
+    for name in sorted(shapes):
+        size = int(np.prod(shapes[name]))
+        masks[name] = flat[offset : offset + size].reshape(shapes[name])
+        offset += size
+    return masks
 
 
 class SetFeedback:

@@ -110,6 +110,22 @@ def refit_from(msg: Message, num_classes: int) -> int:
     return value if valid else num_classes
 
 
+def announced_masks(msg: Message, model: torch.nn.Module, config: RunConfig) -> dict[str, torch.Tensor] | None:
+    """In a sparse encrypted round with ``paillier-train-set``: each parameter's coordinates
+    on the round's announced set, the only ones the site trains (None: train everything).
+    Training on the set puts the whole update where the sum can carry it, instead of leaving
+    most of it in the residual (docs/encryption.md). The Paillier mod has checked the set."""
+    if not (config.encryption == "paillier" and config.compression == "topk" and config.paillier_train_set):
+        return None
+    from ..paillier.site import announced
+    from ..paillier.sparse import coordinate_masks
+
+    shapes = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    indices, _ = announced(msg, sum(int(np.prod(shape)) for shape in shapes.values()))
+    masks = coordinate_masks(indices, shapes)
+    return {name: torch.from_numpy(masks[name]) for name, _ in model.named_parameters()}
+
+
 def train(msg: Message, context: Context) -> Message:
     config = run_config_of(msg)
     server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
@@ -167,6 +183,7 @@ def train(msg: Message, context: Context) -> Message:
         penalty=received_penalty(msg, config, model, num_classes),
         grad_clip=config.local_grad_clip,
         conditioned=conditioned,
+        trainable=announced_masks(msg, model, config),
     )
     metrics = MetricRecord(
         {
