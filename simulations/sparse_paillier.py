@@ -13,7 +13,7 @@ runtime, with a fresh 2048-bit Paillier key pair per run (``simulate()``). Varia
     python simulations/sparse_paillier.py num-server-rounds=20 --seeds 0 1 --variants sparse-change sparse-random
     python simulations/sparse_paillier.py num-server-rounds=20 --variants sparse-mixed --sparse-ratio 0.045
 
-``--sparse-ratio R``: the sparse encrypted variants send ``topk-ratio = R`` (runs named
+``--sparse-ratio R``: the sparse encrypted variants send ``paillier-set-ratio = R`` (runs named
 ``sparse-<rule>-r<R>``), the plaintext ``topk`` keeps the base ratio.
 
 Writes OUT/{results.json,table.md,config.json} (OUT = --out, default runs/sparse-paillier);
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--sparse-ratio", type=float, default=None, help="topk-ratio of the sparse-* variants")
+    parser.add_argument("--sparse-ratio", type=float, default=None, help="paillier-set-ratio of the sparse-* variants")
     parser.add_argument("--out", default="runs/sparse-paillier")
     args, overrides = parser.parse_known_args(argv)
     defaults = {k.replace("_", "-"): v for k, v in RunConfig().to_flower().items()}
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     for variant in args.variants:
         settings = dict(VARIANTS[variant])
         if args.sparse_ratio is not None and variant.startswith("sparse-"):
-            settings["topk_ratio"] = args.sparse_ratio
+            settings["paillier_set_ratio"] = args.sparse_ratio
             variant = f"{variant}-r{args.sparse_ratio:g}"
         for seed in args.seeds:
             name = f"{variant}-seed{seed}"
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
     dense_last = statistics.mean(r["uplink_bytes_per_round"][-1] for r in dense) if dense else None
     lines = [
         f"{base.strategy}, {base.num_server_rounds} rounds, {base.num_sites} sites, one phase, topk-ratio "
-        f"{base.topk_ratio} (sparse encrypted: {args.sparse_ratio or base.topk_ratio}; warm-up "
+        f"{base.topk_ratio} (sparse encrypted: paillier-set-ratio {args.sparse_ratio or base.paillier_set_ratio}; warm-up "
         f"{base.topk_warmup_rounds} rounds), 2048-bit key; seeds "
         f"{', '.join(map(str, args.seeds))}.",
         "",

@@ -521,7 +521,7 @@ MODEL_SIZE = sum(int(np.prod(s)) for s in SHAPES.values())  # 87
 
 
 def sparse_config(key_files, **settings) -> RunConfig:
-    values = dict(compression="topk", topk_ratio=0.4, topk_warmup_rounds=0, topk_gain=1.0, num_sites=4)
+    values = dict(compression="topk", paillier_set_ratio=0.4, topk_warmup_rounds=0, topk_gain=1.0, num_sites=4)
     return config(key_files, **{**values, **settings})
 
 
@@ -693,7 +693,7 @@ def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, ke
     common = dict(
         num_server_rounds=3, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
         model_width=8, device="cpu", strategy="dwa", encryption="paillier", paillier_public_key=str(public_path),
-        paillier_private_key=str(private_path), run_dir=str(tmp_path), topk_warmup_rounds=0, topk_ratio=0.05,
+        paillier_private_key=str(private_path), run_dir=str(tmp_path), topk_warmup_rounds=0, paillier_set_ratio=0.05,
     )
     summaries = {name: simulate(RunConfig(**common, run_name=name, **extra), client_app=site_agent, runtime="loopback")
                  for name, extra in (("sparse", dict(compression="topk")), ("dense", {}),

@@ -388,7 +388,7 @@ def encrypted_server(
     inner = build_strategy(inner_config, num_sites, num_classes)
     sparse = None
     if config.compression == "topk":
-        sparse = SparseRounds(config.topk_ratio, config.topk_warmup_rounds, config.paillier_coordinates,
+        sparse = SparseRounds(config.paillier_set_ratio, config.topk_warmup_rounds, config.paillier_coordinates,
                               config.seed, config.topk_gain)
     strategy = SecureAggregation(
         inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes,
