@@ -102,7 +102,7 @@ class RunConfig:
     paillier_weight_bits: int = 9  # paillier: headroom bits for the integer site weights: at most 2^bits sites per sum
     paillier_key_bits: int = 2048  # paillier: size of the throwaway key pair that simulate() generates
     paillier_coordinates: str = "mixed"  # paillier with compression = topk: the round's announced set: mixed (half the largest of the last global change, half random) | change | random
-    paillier_set_ratio: float = 0.08  # paillier with compression = topk: share of the model in the round's announced set, what every site sends (topk-ratio is the plaintext uplink's)
+    paillier_set_ratio: float = 0.045  # paillier with compression = topk: share of the model in the round's announced set, what every site sends (topk-ratio is the plaintext uplink's)
     paillier_train_set: bool = True  # paillier with compression = topk: sites train only the round's announced coordinates (the rest stay as received), so their whole update is on the set
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
