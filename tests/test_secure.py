@@ -559,7 +559,9 @@ def test_every_site_gets_the_same_set_and_a_second_server_would_announce_it_too(
 
 
 def test_a_sparse_encrypted_round_is_the_mean_on_the_set_and_the_sites_keep_the_rest(key_files, site_side):
-    cfg = sparse_config(key_files, topk_gain=2.0, topk_residual_decay=1.0)
+    # the stand-in sites change every coordinate (they do not train on the set), as with
+    # paillier-train-set = false: the mean on the set is scaled by topk-gain
+    cfg = sparse_config(key_files, topk_gain=2.0, topk_residual_decay=1.0, paillier_train_set=False)
     strategy, pipeline = encrypted_server(cfg, num_sites=4, num_classes=3)
     g = arrays(3)
     counts = (30, 10, 60, 20)
@@ -851,3 +853,11 @@ def test_train_local_refuses_a_mask_that_does_not_fit_the_model():
                      ({name: torch.ones(p.shape)}, "expected bool")):
         with pytest.raises(ValueError, match=why):
             train_local(model, data, epochs=1, batch_size=2, lr=0.1, seed=0, device=torch.device("cpu"), trainable=bad)
+
+
+def test_the_top_k_gain_applies_only_when_the_sites_leave_part_of_their_update_behind(key_files):
+    """Trained on the set, a site's update is whole: the server adds the decrypted mean as it
+    is; trained on everything, the mean on the set is scaled by topk-gain as top-k's is."""
+    on, _ = encrypted_server(sparse_config(key_files, topk_gain=2.0), num_sites=4, num_classes=3)
+    off, _ = encrypted_server(sparse_config(key_files, topk_gain=2.0, paillier_train_set=False), num_sites=4, num_classes=3)
+    assert (on.sparse.gain, off.sparse.gain) == (1.0, 2.0)
