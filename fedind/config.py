@@ -103,6 +103,7 @@ class RunConfig:
     paillier_key_bits: int = 2048  # paillier: size of the throwaway key pair that simulate() generates
     paillier_coordinates: str = "mixed"  # paillier with compression = topk: the round's announced set: mixed (half the largest of the last global change, half random) | change | random
     paillier_set_ratio: float = 0.045  # paillier with compression = topk: share of the model in the round's announced set, what every site sends (topk-ratio is the plaintext uplink's)
+    paillier_gain: float = 1.5  # paillier with compression = topk: the server's step is this times the decrypted mean on the set (topk-gain is the plaintext uplink's)
     paillier_train_set: bool = True  # paillier with compression = topk: sites train only the round's announced coordinates (the rest stay as received), so their whole update is on the set
     device: str = "auto"  # auto | cpu | cuda (site training and server evaluation)
     round_timeout: float = 600.0  # seconds to wait for site replies in a round
@@ -191,6 +192,7 @@ class RunConfig:
             "paillier-key-bits": self.paillier_key_bits >= 512 and self.paillier_key_bits % 64 == 0,
             "paillier-coordinates": self.paillier_coordinates in PAILLIER_COORDINATES,
             "paillier-set-ratio": 0 < self.paillier_set_ratio <= 1,
+            "paillier-gain": math.isfinite(self.paillier_gain) and self.paillier_gain > 0,
             "device": self.device in ("auto", "cpu", "cuda"),
             "round-timeout": self.round_timeout > 0,
             "min-sites": self.min_sites >= 1,

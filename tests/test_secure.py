@@ -521,7 +521,7 @@ MODEL_SIZE = sum(int(np.prod(s)) for s in SHAPES.values())  # 87
 
 
 def sparse_config(key_files, **settings) -> RunConfig:
-    values = dict(compression="topk", paillier_set_ratio=0.4, topk_warmup_rounds=0, topk_gain=1.0, num_sites=4)
+    values = dict(compression="topk", paillier_set_ratio=0.4, topk_warmup_rounds=0, paillier_gain=1.0, num_sites=4)
     return config(key_files, **{**values, **settings})
 
 
@@ -560,8 +560,8 @@ def test_every_site_gets_the_same_set_and_a_second_server_would_announce_it_too(
 
 def test_a_sparse_encrypted_round_is_the_mean_on_the_set_and_the_sites_keep_the_rest(key_files, site_side):
     # the stand-in sites change every coordinate (they do not train on the set), as with
-    # paillier-train-set = false: the mean on the set is scaled by topk-gain
-    cfg = sparse_config(key_files, topk_gain=2.0, topk_residual_decay=1.0, paillier_train_set=False)
+    # paillier-train-set = false; the mean on the set is scaled by paillier-gain
+    cfg = sparse_config(key_files, paillier_gain=2.0, topk_residual_decay=1.0, paillier_train_set=False)
     strategy, pipeline = encrypted_server(cfg, num_sites=4, num_classes=3)
     g = arrays(3)
     counts = (30, 10, 60, 20)
@@ -855,9 +855,11 @@ def test_train_local_refuses_a_mask_that_does_not_fit_the_model():
             train_local(model, data, epochs=1, batch_size=2, lr=0.1, seed=0, device=torch.device("cpu"), trainable=bad)
 
 
-def test_the_top_k_gain_applies_only_when_the_sites_leave_part_of_their_update_behind(key_files):
-    """Trained on the set, a site's update is whole: the server adds the decrypted mean as it
-    is; trained on everything, the mean on the set is scaled by topk-gain as top-k's is."""
-    on, _ = encrypted_server(sparse_config(key_files, topk_gain=2.0), num_sites=4, num_classes=3)
-    off, _ = encrypted_server(sparse_config(key_files, topk_gain=2.0, paillier_train_set=False), num_sites=4, num_classes=3)
-    assert (on.sparse.gain, off.sparse.gain) == (1.0, 2.0)
+def test_sparse_encrypted_rounds_step_by_paillier_gain_not_by_the_plaintext_top_k_gain(key_files):
+    """The recipe's topk-gain (2.0, for its plaintext top-k) overshot sparse encrypted rounds,
+    whose sites send their whole update on the set: they have their own, paillier-gain."""
+    assert RunConfig().paillier_gain == 1.5
+    strategy, _ = encrypted_server(sparse_config(key_files, topk_gain=2.0, paillier_gain=1.5), num_sites=4, num_classes=3)
+    assert strategy.sparse.gain == 1.5
+    strategy, _ = encrypted_server(sparse_config(key_files, topk_gain=2.0, paillier_gain=1.0), num_sites=4, num_classes=3)
+    assert strategy.sparse.gain == 1.0

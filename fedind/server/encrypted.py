@@ -388,11 +388,8 @@ def encrypted_server(
     inner = build_strategy(inner_config, num_sites, num_classes)
     sparse = None
     if config.compression == "topk":
-        # topk-gain makes up for what top-k leaves in a site's residual; a site that trained
-        # on the set sent its whole update, and scaling it overshot (the recipe: 0.62 against 0.77)
-        gain = 1.0 if config.paillier_train_set else config.topk_gain
         sparse = SparseRounds(config.paillier_set_ratio, config.topk_warmup_rounds, config.paillier_coordinates,
-                              config.seed, gain)
+                              config.seed, config.paillier_gain)
     strategy = SecureAggregation(
         inner, key, config.paillier_clip, timeout=config.round_timeout, dwa=dwa, num_classes=num_classes,
         sparse=sparse, layout=layout,
