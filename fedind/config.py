@@ -242,6 +242,12 @@ class RunConfig:
             ("head-calibration", self.head_calibration, "the moments include the replay buffer's windows"),
         ) if value]
 
+    def phases_off(self) -> dict[str, Any]:
+        """The run-config values (kebab-case keys) that make this configuration one phase:
+        ``phases`` 1 and every setting that needs phases off. Encryption runs only so."""
+        return {"phases": 1, **{key: False if value is True else type(value)(0)
+                                for key, value, _ in self._needing_phases()}}
+
     def _check_phases(self) -> None:
         """The phase schedule must give every phase a round; replay and EWC need phases."""
         if self.phases == 1:
@@ -345,8 +351,7 @@ class RunConfig:
                 f"needs each site's sparse change in the clear; set topk-feedback = 'residual'"
             )
         if self.phases > 1:  # the recipe's continual part: say every key to change at once
-            off = " ".join(["phases=1"] + [f"{key}={'false' if value is True else type(value)(0)}"
-                                          for key, value, _ in self._needing_phases()])
+            off = " ".join(f"{key}={str(value).lower()}" for key, value in self.phases_off().items())
             raise ConfigError(
                 f"Invalid run config phases = {self.phases}: {why}; continual learning would need each site's "
                 f"Fisher (and head calibration its feature moments) in the clear, and a growing head changes "

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simulations.common import parse_overrides  # noqa: E402
 
 from fedind.paillier import keys, packing  # noqa: E402
-from fedind.config import RunConfig  # noqa: E402
+from fedind.config import RunConfig, recipe  # noqa: E402
 from fedind.data.sources import site_from_partition  # noqa: E402
 from fedind.server.metering import payload_bytes  # noqa: E402
 from fedind.models import FaultCNN  # noqa: E402
@@ -162,8 +162,10 @@ def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, 
     }
 
 
-# The recipe's features that encryption refuses at start (docs/encryption.md), off in both arms.
-ENCRYPTABLE = ["phases=1", "phase-rounds=0", "replay-samples=0", "ewc-lambda=0.0", "head-calibration=false", "compression=none", "downlink=none"]
+# The recipe's features that encryption refuses at start (docs/encryption.md), off in both arms,
+# and a dense uplink and downlink (this benchmark times whole updates).
+ENCRYPTABLE = [f"{key}={str(value).lower()}" for key, value in recipe().phases_off().items()] + [
+    "compression=none", "downlink=none"]
 
 # Simulation variants: run-config overrides over the benchmark's base config.
 VARIANTS = {

@@ -49,10 +49,6 @@ VARIANTS = {
 }
 
 
-# The recipe without what needs phases (refused under encryption: docs/encryption.md).
-ONE_PHASE = dict(phases=1, phase_rounds=0, replay_samples=0, ewc_lambda=0.0, head_calibration=False)
-
-
 def uplink_per_round(folder: Path) -> list[int]:
     with open(folder / "rounds.csv") as f:
         return [int(row["uplink_bytes"]) for row in csv.DictReader(f)]
@@ -67,7 +63,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--recipe", action="store_true",
                         help="the recipe's configuration in one phase (what encryption runs) instead of RunConfig's defaults")
     args, overrides = parser.parse_known_args(argv)
-    start = recipe(**ONE_PHASE) if args.recipe else RunConfig()
+    # the recipe without what needs phases (refused under encryption: docs/encryption.md)
+    start = RunConfig.from_flower({**recipe().to_flower(), **recipe().phases_off()}) if args.recipe else RunConfig()
     defaults = {k.replace("_", "-"): v for k, v in start.to_flower().items()}
     base = replace(parse_overrides(overrides, base=defaults), device="cpu")
     out = Path(args.out)

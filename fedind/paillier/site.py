@@ -53,8 +53,8 @@ def announced(msg: Message, count: int) -> tuple[np.ndarray, str]:
     return indices, digest
 
 
-def _load_feedback(context: Context, config: RunConfig) -> SetFeedback:
-    feedback = SetFeedback(config.paillier_clip, config.topk_residual_decay, Layout.of(config))
+def _load_feedback(context: Context, config: RunConfig, layout: Layout) -> SetFeedback:
+    feedback = SetFeedback(config.paillier_clip, config.topk_residual_decay, layout)
     if RESIDUAL in context.state:
         feedback.load_state_dict({"residual": context.state[RESIDUAL]["residual"].numpy()})
     return feedback
@@ -113,7 +113,7 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
         return reply
     started = time.perf_counter()
     delta = flat_delta(sent, reply.content[wire.ARRAYS])
-    feedback = _load_feedback(context, config)  # dense rounds too: the residual keeps the rounding error
+    feedback = _load_feedback(context, config, layout)  # dense rounds too: the residual keeps the rounding error
     levels, clipped = feedback.encode(delta, indices)
     context.state[RESIDUAL] = ArrayRecord({"residual": Array(feedback.residual)})
     vector = encrypt_levels(levels, key, config.paillier_clip, pool, coordinates=digest, layout=layout)
