@@ -56,6 +56,7 @@ class RunConfig:
     target_accuracy: float = 0.75  # rounds-to-target is reported for this global accuracy
     local_momentum: float = 0.9  # site SGD momentum (reset every round)
     local_grad_clip: float = 1.0  # site SGD: clip each step's gradient to this L2 norm (0 = off)
+    local_stretch: float = 1.0  # site SGD: each batch time-scaled by a factor in [1/r, r] (other lines' speeds); 1 = off
     logit_adjustment: float = 0.5  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
@@ -150,6 +151,7 @@ class RunConfig:
             "target-accuracy": 0 < self.target_accuracy <= 1,
             "local-momentum": 0 <= self.local_momentum < 1,
             "local-grad-clip": math.isfinite(self.local_grad_clip) and self.local_grad_clip >= 0,
+            "local-stretch": math.isfinite(self.local_stretch) and self.local_stretch >= 1,
             "logit-adjustment": math.isfinite(self.logit_adjustment) and self.logit_adjustment >= 0,
             "model-width": self.model_width >= 4 and self.model_width % 4 == 0,
             "proximal-mu": self.proximal_mu >= 0,

@@ -154,6 +154,7 @@ def train_local(
     grad_clip: float = 0.0,
     conditioned: torch.Tensor | None = None,
     trainable: Mapping[str, torch.Tensor] | None = None,
+    stretch: float = 1.0,
 ) -> TrainResult:
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
 
@@ -183,6 +184,10 @@ def train_local(
     are put back to their values on entry (weight decay and momentum would move them). A
     parameter without a mask trains freely.
 
+    ``stretch = r > 1``: every batch is time-scaled by a factor drawn log-uniformly from
+    ``[1/r, r]`` (:func:`time_stretch`; a generator of its own, so the order and the replay
+    draws are those without it): a line sees its faults at the speeds of other lines.
+
     With the defaults the steps are exactly those of plain training.
     """
     if isinstance(replay_ratio, bool) or not (isinstance(replay_ratio, (int, float)) and 0 <= replay_ratio < math.inf):
@@ -192,6 +197,8 @@ def train_local(
             f"replay and replay_ratio go together: got replay={'None' if replay is None else 'arrays'}, "
             f"replay_ratio={replay_ratio}"
         )
+    if isinstance(stretch, bool) or not (isinstance(stretch, (int, float)) and 1.0 <= stretch < math.inf):
+        raise ValueError(f"Invalid stretch value: {stretch!r} (expected a finite number >= 1; 1 = off)")
     if replay is not None and replay.num_examples and replay.sample_shape != data.sample_shape:
         raise ValueError(f"replay windows {replay.sample_shape} differ from the data's {data.sample_shape}")
     model.to(device).train()
@@ -215,6 +222,8 @@ def train_local(
     frozen = _frozen_coordinates(model, trainable, device) if trainable is not None else []
     optimizer = MomentumSGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
+    if stretch > 1.0:
+        stretch_generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, 2]).generate_state(1)[0]))
     loss_fn = nn.CrossEntropyLoss()
     adjust = None if logit_adjustment is None else logit_adjustment.to(device)
     per_example = adjust is not None and adjust.ndim == 2
@@ -233,6 +242,9 @@ def train_local(
                 pick = torch.randint(len(y_mem), (round(replay_ratio * len(batch)),), generator=replay_generator)
                 pick = pick.to(device)
                 xb, yb = torch.cat([xb, x_mem[pick]]), torch.cat([yb, y_mem[pick]])
+            if stretch > 1.0:
+                draw = torch.rand(2, generator=stretch_generator)
+                xb = time_stretch(xb, float(stretch ** (2 * draw[0] - 1)), float(draw[1]))
             with _autocast(device):
                 logits = forward(xb)
                 if adjust is not None:
@@ -257,6 +269,27 @@ def train_local(
             total += float(loss.detach())
             steps += 1
     return TrainResult(loss=total / max(steps, 1), steps=steps)
+
+
+def time_stretch(x: torch.Tensor, factor: float, offset: float = 0.0) -> torch.Tensor:
+    """Windows ``[B, C, L]`` played ``factor`` times slower (linear interpolation to
+    ``round(L * factor)`` samples): a shaft, its fault rhythms and the resonance all slow by
+    ``factor``, as on a line that runs slower or samples faster. Longer than ``L``: cut to
+    ``L`` from ``offset`` (in [0, 1]) of the spare length; shorter: left short (the model
+    pools over time). On conditioned windows (:meth:`fedind.models.FaultCNN.condition`)
+    this matches conditioning the stretched raw windows up to interpolation error: every
+    channel is standardised."""
+    if not (math.isfinite(factor) and factor > 0) or not 0.0 <= offset <= 1.0:
+        raise ValueError(f"Invalid time stretch: factor {factor!r}, offset {offset!r}")
+    length = x.shape[-1]
+    size = max(8, round(length * factor))
+    if size == length:
+        return x
+    out = nn.functional.interpolate(x, size=size, mode="linear", align_corners=False)
+    if size <= length:
+        return out
+    start = round(offset * (size - length))
+    return out[..., start : start + length]
 
 
 def _frozen_coordinates(

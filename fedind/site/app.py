@@ -182,6 +182,7 @@ def train(msg: Message, context: Context) -> Message:
         replay_ratio=replay_ratio,
         penalty=received_penalty(msg, config, model, num_classes),
         grad_clip=config.local_grad_clip,
+        stretch=config.local_stretch,
         conditioned=conditioned,
         trainable=announced_masks(msg, model, config),
     )
