@@ -8,7 +8,7 @@ import torch
 
 from fedind.data.format import SiteArrays
 from fedind.models import FaultCNN
-from fedind.training import _split_front_end, prior_logit_adjustment, train_local, trained_label_counts
+from fedind.training import _split_front_end, prior_logit_adjustment, time_stretch, train_local, trained_label_counts
 from simulations.step_time import WholeModel
 
 
@@ -189,3 +189,49 @@ def test_windows_conditioned_in_chunks_equal_the_whole_batch_and_other_models_pa
     assert _split_front_end(model, x[:0])[0] is model  # no windows: nothing to condition
     plain = torch.nn.Linear(300, 4)
     assert _split_front_end(plain, x) == (plain, x)
+
+
+def _period(signal: np.ndarray) -> float:
+    """Samples per cycle of the strongest non-DC frequency."""
+    spectrum = np.abs(np.fft.rfft(signal - signal.mean()))
+    return signal.size / float(np.argmax(spectrum[1:]) + 1)
+
+
+@pytest.mark.parametrize("factor", [2 / 3, 1.5])
+def test_time_stretch_slows_a_rhythm_by_its_factor(factor):
+    """A 32-sample rhythm plays 32 * factor samples per cycle; a longer result is cut to the
+    window from the offset, a shorter one is left short."""
+    t = np.arange(1024)
+    x = torch.from_numpy(np.sin(2 * np.pi * t / 32).astype(np.float32)).repeat(2, 3, 1)
+    out = time_stretch(x, factor, offset=0.5)
+    assert out.shape[:2] == (2, 3) and out.shape[-1] == min(1024, round(1024 * factor))
+    assert _period(out[0, 0].numpy()) == pytest.approx(32 * factor, rel=0.03)
+    assert time_stretch(x, 1.0) is x
+    whole = time_stretch(x, 1.5, offset=0.0)
+    late = time_stretch(x, 1.5, offset=1.0)
+    assert torch.equal(whole[..., 512:], late[..., :512])  # the cut moves with the offset
+
+
+@pytest.mark.parametrize("factor, offset", [(0.0, 0.0), (-1.5, 0.0), (math.inf, 0.0), (1.5, 1.5)])
+def test_time_stretch_rejects_bad_arguments(factor, offset):
+    with pytest.raises(ValueError, match="time stretch"):
+        time_stretch(torch.zeros(1, 1, 64), factor, offset)
+
+
+def test_stretched_training_is_seeded_and_off_at_one():
+    """``stretch`` 1 is plain training bit for bit; above 1 the same seed gives the same
+    model, and another model than plain training; below 1 it is refused."""
+    data = _site([0, 1, 2, 3] * 9, length=300)
+    trained = {}
+    for name, stretch in (("plain", None), ("one", 1.0), ("a", 1.5), ("b", 1.5)):
+        torch.manual_seed(0)
+        model = FaultCNN(in_channels=1, num_classes=4, width=8)
+        extra = {} if stretch is None else {"stretch": stretch}
+        train_local(model, data, epochs=1, batch_size=8, lr=0.05, seed=1, device=torch.device("cpu"), **extra)
+        trained[name] = model.state_dict()
+    same = lambda a, b: all(torch.equal(trained[a][k], trained[b][k]) for k in trained[a])  # noqa: E731
+    assert same("plain", "one") and same("a", "b") and not same("plain", "a")
+    for bad in (0.5, True, math.nan):
+        with pytest.raises(ValueError, match="stretch"):
+            train_local(FaultCNN(in_channels=1, num_classes=4, width=8), data, epochs=1, batch_size=8,
+                        lr=0.05, seed=1, device=torch.device("cpu"), stretch=bad)
