@@ -66,9 +66,10 @@ ABSENT_SITE = 3  # partition id of the line that goes off the network...
 ABSENT_ROUNDS = range(8, 15)  # ...for these rounds (phase 0, before the target is usually reached)
 
 # Flower's built-ins as a plant would run them: fedind's default site training (RunConfig's
-# local-epochs, 2; the recipe trains 3), dense both ways, no replay, no EWC, no head calibration.
-DENSE = {"local_epochs": RunConfig.local_epochs, "compression": "none", "downlink": "none", "replay_samples": 0,
-         "ewc_lambda": 0.0, "head_calibration": False}
+# local-epochs, 2; the recipe trains 3; no time stretch), dense both ways, no replay, no EWC,
+# no head calibration.
+DENSE = {"local_epochs": RunConfig.local_epochs, "local_stretch": RunConfig.local_stretch, "compression": "none",
+         "downlink": "none", "replay_samples": 0, "ewc_lambda": 0.0, "head_calibration": False}
 BUILTINS = {
     "FedAvg": {"strategy": "fedavg", **DENSE},
     "FedAvgM": {"strategy": "fedavgm", **DENSE},
@@ -87,6 +88,7 @@ PARTS = {
     "replay": ({"replay_samples": 0}, {"replay_samples": None}),  # None: the recipe's value
     "EWC": ({"ewc_lambda": 0.0}, {"ewc_lambda": None}),
     "calibration": ({"head_calibration": False}, {"head_calibration": True}),
+    "stretch": ({"local_stretch": RunConfig.local_stretch}, {"local_stretch": None}),
     "screen": ({"alignment_threshold": -1.0, "consensus_threshold": -1.0}, {}),  # the screen's rules across rounds are on in every variant but this
 }
 VARIANTS: dict[str, dict] = {
