@@ -424,6 +424,7 @@ class RunConfig:
 RECIPE: dict[str, Any] = {
     "strategy": "fedind",  # DWA weights + the conflict momentum buffer
     "local_epochs": 3,  # more work per round for fewer rounds: on the gearboxes two left the sparse uplink at chance for up to 20 rounds of phase 0
+    "local_stretch": 1.25,  # batches time-scaled by 0.8-1.25x: a line learns its faults at nearby speeds (1.1-2.0 tried on seeds 0-4)
     "dwa_momentum": 0.9,  # 0.97 with the sparse uplink overshot: accuracy swung 0.41-0.70 late in phase 1
     "young_rows": "holders",  # a new class's rows averaged over its holders, not refit a round behind
     "compression": "topk",  # error-feedback top-k uplink
