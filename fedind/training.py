@@ -216,14 +216,12 @@ def train_local(
     if mix:
         x_mem = _split_front_end(model, torch.from_numpy(replay.x).to(device))[1]
         y_mem = torch.from_numpy(replay.y).to(device)
-        replay_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1)[0])
-        replay_generator = torch.Generator().manual_seed(replay_seed)
+        replay_generator = _side_generator(seed, 1)
     anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     frozen = _frozen_coordinates(model, trainable, device) if trainable is not None else []
     optimizer = MomentumSGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     generator = torch.Generator().manual_seed(seed)
-    if stretch > 1.0:
-        stretch_generator = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, 2]).generate_state(1)[0]))
+    stretch_generator = _side_generator(seed, 2) if stretch > 1.0 else None
     loss_fn = nn.CrossEntropyLoss()
     adjust = None if logit_adjustment is None else logit_adjustment.to(device)
     per_example = adjust is not None and adjust.ndim == 2
@@ -242,7 +240,7 @@ def train_local(
                 pick = torch.randint(len(y_mem), (round(replay_ratio * len(batch)),), generator=replay_generator)
                 pick = pick.to(device)
                 xb, yb = torch.cat([xb, x_mem[pick]]), torch.cat([yb, y_mem[pick]])
-            if stretch > 1.0:
+            if stretch_generator is not None:
                 draw = torch.rand(2, generator=stretch_generator)
                 xb = time_stretch(xb, float(stretch ** (2 * draw[0] - 1)), float(draw[1]))
             with _autocast(device):
@@ -269,6 +267,12 @@ def train_local(
             total += float(loss.detach())
             steps += 1
     return TrainResult(loss=total / max(steps, 1), steps=steps)
+
+
+def _side_generator(seed: int, stream: int) -> torch.Generator:
+    """A generator of its own for one kind of draw in :func:`train_local` (1: replay picks,
+    2: time stretches), so turning one on leaves the other draws as they were."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, stream]).generate_state(1)[0]))
 
 
 def time_stretch(x: torch.Tensor, factor: float, offset: float = 0.0) -> torch.Tensor:

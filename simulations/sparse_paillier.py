@@ -64,7 +64,11 @@ def main(argv: list[str]) -> None:
                         help="the recipe's configuration in one phase (what encryption runs) instead of RunConfig's defaults")
     args, overrides = parser.parse_known_args(argv)
     # the recipe without what needs phases (refused under encryption: docs/encryption.md)
-    start = RunConfig.from_flower({**recipe().to_flower(), **recipe().phases_off()}) if args.recipe else RunConfig()
+    if args.recipe:
+        whole = recipe()
+        start = RunConfig.from_flower({**whole.to_flower(), **whole.phases_off()})
+    else:
+        start = RunConfig()
     defaults = {k.replace("_", "-"): v for k, v in start.to_flower().items()}
     base = replace(parse_overrides(overrides, base=defaults), device="cpu")
     out = Path(args.out)
