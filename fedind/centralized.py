@@ -77,7 +77,7 @@ def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
             device=device,
             momentum=config.local_momentum,
             grad_clip=config.local_grad_clip,
-            stretch=config.local_stretch,
+            stretch=config.local_stretch_at(step + 1),
             logit_adjustment=adjustment,
         )
         curve.append(evaluate(model, test_set, device).accuracy)

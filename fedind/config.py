@@ -57,6 +57,7 @@ class RunConfig:
     local_momentum: float = 0.9  # site SGD momentum (reset every round)
     local_grad_clip: float = 1.0  # site SGD: clip each step's gradient to this L2 norm (0 = off)
     local_stretch: float = 1.0  # site SGD: each batch time-scaled by a factor in [1/r, r] (other lines' speeds); 1 = off
+    local_stretch_phase: int = 0  # first data phase whose batches are stretched (0 = from the start; 1 = once conditions first change)
     logit_adjustment: float = 0.5  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
     proximal_mu: float = 0.01  # fedprox only
@@ -152,6 +153,7 @@ class RunConfig:
             "local-momentum": 0 <= self.local_momentum < 1,
             "local-grad-clip": math.isfinite(self.local_grad_clip) and self.local_grad_clip >= 0,
             "local-stretch": math.isfinite(self.local_stretch) and self.local_stretch >= 1,
+            "local-stretch-phase": self.local_stretch_phase >= 0,
             "logit-adjustment": math.isfinite(self.logit_adjustment) and self.logit_adjustment >= 0,
             "model-width": self.model_width >= 4 and self.model_width % 4 == 0,
             "proximal-mu": self.proximal_mu >= 0,
@@ -283,6 +285,12 @@ class RunConfig:
         if self.phases == 1 or server_round <= 0:
             return 0
         return min((server_round - 1) // self.phase_rounds, self.phases - 1)
+
+    def local_stretch_at(self, server_round: int) -> float:
+        """The time stretch the sites train ``server_round`` with: ``local-stretch`` from data
+        phase ``local-stretch-phase`` on, 1 (off) before it. From phase 1, one phase of
+        static data never stretches."""
+        return self.local_stretch if self.phase_of(server_round) >= self.local_stretch_phase else 1.0
 
     def lr_progress(self, server_round: int) -> float:
         """Where ``server_round`` lies in the sites' cosine learning-rate schedule, in [0, 1):

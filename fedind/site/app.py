@@ -182,7 +182,7 @@ def train(msg: Message, context: Context) -> Message:
         replay_ratio=replay_ratio,
         penalty=received_penalty(msg, config, model, num_classes),
         grad_clip=config.local_grad_clip,
-        stretch=config.local_stretch,
+        stretch=config.local_stretch_at(server_round),
         conditioned=conditioned,
         trainable=announced_masks(msg, model, config),
     )
