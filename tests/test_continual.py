@@ -110,6 +110,17 @@ def test_phase_schedule():
     assert static.phase_of(7) == 0 and static.phase_end_rounds() == () and static.lr_progress(6) == 0.5
 
 
+def test_local_stretch_starts_at_its_phase():
+    """``local-stretch-phase`` p: rounds of phases before p train unstretched; with one
+    phase of static data, a stretch from phase 1 never starts."""
+    config = RunConfig(num_server_rounds=25, phases=3, phase_rounds=8, local_stretch=1.25, local_stretch_phase=1)
+    assert [config.local_stretch_at(r) for r in (1, 8, 9, 17, 25)] == [1.0, 1.0, 1.25, 1.25, 1.25]
+    assert RunConfig(local_stretch=1.25).local_stretch_at(1) == 1.25  # phase 0: from the start
+    assert RunConfig(local_stretch=1.25, local_stretch_phase=1).local_stretch_at(80) == 1.0
+    with pytest.raises(ConfigError, match="local-stretch-phase"):
+        RunConfig(local_stretch_phase=-1)
+
+
 # --------------------------------------------------------------------------- drifting data
 
 
