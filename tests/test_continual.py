@@ -121,6 +121,19 @@ def test_local_stretch_starts_at_its_phase():
         RunConfig(local_stretch_phase=-1)
 
 
+def test_local_stretch_ramps_up_from_its_start():
+    """``local-stretch-ramp`` K: r ** (k / K) in the k-th round of the stretch, counted from
+    the first round of ``local-stretch-phase``, then r."""
+    ramped = RunConfig(local_stretch=1.25, local_stretch_ramp=4, phases=2, phase_rounds=8, num_server_rounds=16)
+    assert [ramped.local_stretch_at(r) for r in (1, 2, 4, 5, 16)] == pytest.approx(
+        [1.25 ** 0.25, 1.25 ** 0.5, 1.25, 1.25, 1.25])
+    later = replace(ramped, local_stretch_phase=1)
+    assert [later.local_stretch_at(r) for r in (8, 9, 10, 12, 13)] == pytest.approx([1.0, 1.25 ** 0.25, 1.25 ** 0.5, 1.25, 1.25])
+    assert RunConfig(local_stretch_ramp=4).local_stretch_at(1) == 1.0  # no stretch, nothing to ramp
+    with pytest.raises(ConfigError, match="local-stretch-ramp"):
+        RunConfig(local_stretch_ramp=-2)
+
+
 # --------------------------------------------------------------------------- drifting data
 
 
