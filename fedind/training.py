@@ -280,9 +280,10 @@ def time_stretch(x: torch.Tensor, factor: float, offset: float = 0.0) -> torch.T
     ``round(L * factor)`` samples): a shaft, its fault rhythms and the resonance all slow by
     ``factor``, as on a line that runs slower or samples faster. Longer than ``L``: cut to
     ``L`` from ``offset`` (in [0, 1]) of the spare length; shorter: left short (the model
-    pools over time). On conditioned windows (:meth:`fedind.models.FaultCNN.condition`)
-    this matches conditioning the stretched raw windows up to interpolation error: every
-    channel is standardised."""
+    pools over time). Applied to conditioned windows (:meth:`fedind.models.FaultCNN.condition`),
+    it approximates conditioning the stretched recording: 10-20 % off on the raw channel,
+    30-50 % on the whitened ones (linear interpolation smears and folds high frequencies).
+    The exact, band-limited version was tried and not kept (docs/local-training.md)."""
     if not (math.isfinite(factor) and factor > 0) or not 0.0 <= offset <= 1.0:
         raise ValueError(f"Invalid time stretch: factor {factor!r}, offset {offset!r}")
     length = x.shape[-1]
