@@ -250,7 +250,7 @@ class RunConfig:
 
     def phases_off(self) -> dict[str, Any]:
         """The run-config values (kebab-case keys) that make this configuration one phase:
-        ``phases`` 1 and every setting that needs phases off. Encryption runs only so."""
+        ``phases`` 1 and every setting that needs phases off."""
         return {"phases": 1, **{key: False if value is True else type(value)(0)
                                 for key, value, _ in self._needing_phases()}}
 
@@ -368,15 +368,8 @@ class RunConfig:
                 f"Invalid run config topk-feedback = {self.topk_feedback!r}: {why}, and the EF21 estimate "
                 f"needs each site's sparse change in the clear; set topk-feedback = 'residual'"
             )
-        if self.phases > 1:  # the recipe's continual part: say every key to change at once
-            off = " ".join(f"{key}={str(value).lower()}" for key, value in self.phases_off().items())
-            raise ConfigError(
-                f"Invalid run config phases = {self.phases}: {why}; continual learning would need each site's "
-                f"Fisher (and head calibration its feature moments) in the clear, and a growing head changes "
-                f"the packed ciphertext layout. "
-                f"Run with --run-config \"{off}\" (or encryption = 'none'); docs/encryption.md says what "
-                f"else runs encrypted and at what accuracy"
-            )
+        # phases > 1 run: the Fisher and the feature moments are summed under Paillier like the
+        # updates (fedind.paillier.sums), and young rows are averaged over their holders there.
         if self.cclip_radius > 0:
             raise ConfigError(
                 f"Invalid run config cclip-radius = {self.cclip_radius!r}: {why}, and centered clipping "

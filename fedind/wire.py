@@ -13,6 +13,9 @@ AGGREGATE = "aggregate"  # ArrayRecord: decrypting site -> server, the decrypted
 PAILLIER_SET = "paillier-set"  # ConfigRecord, server -> site: the round's coordinate set of a sparse encrypted round
 SET_INDICES = "indices"  # its key: sorted uint32 little-endian indices into the flat model (fedind.paillier.sparse)
 SET_DIGEST = "digest"  # its key: set_digest(indices, model size, round), which the site's payload names
+SUM_OF = "sum-of"  # ConfigRecord key of a decrypt query: "update" (the round's sum, the default) | "side" (fedind.paillier.sums)
+HOLDER_ROWS = "holder-rows"  # ConfigRecord, server -> site in encrypted rounds: {"from": k}, rows of classes >= k averaged over their holders
+HOLDER_ROWS_FROM = "from"  # its key
 
 # Error codes of site replies (Flower's ``Error.code``; Flower's own are below 1000), each distinct
 REJECTED_PAYLOAD = 1001  # the server could not decode a sparse (top-k) payload
@@ -62,6 +65,9 @@ EWC_FISHER = "ewc-fisher"  # ArrayRecord: site -> server its Fisher (phase end);
 EWC_ANCHORS = "ewc-anchors"  # ArrayRecord, server -> site: the anchor parameters of the EWC penalty
 CALIBRATE = "query.calibrate"  # message type, server -> every site after the run's last round (head-calibration): send feature moments
 FEATURE_MOMENTS = "feature-moments"  # ConfigRecord, site -> server: per-class feature moments (fedind.continual.calibration.encode_moments)
+# Under encryption the two side sums travel as Paillier payloads (fedind.paillier.sums), never in the clear
+EWC_FISHER_ENCRYPTED = "ewc-fisher-encrypted"  # ConfigRecord, site -> server: its Fisher, flat, as a per-example mean
+FEATURE_MOMENTS_ENCRYPTED = "feature-moments-encrypted"  # ConfigRecord, site -> server: fedind.continual.calibration.moments_vector
 CLASSES_SEEN = "classes-seen"  # MetricRecord key, site -> server: 1 + the largest label in the site's data
 # ConfigRecord of a train reply from a site whose data has classes the head lacks (not in the
 # MetricRecord: Flower's strategies want the same metric keys in every reply)

@@ -77,7 +77,6 @@ DRIFT = DriftSpec(federation=SMALL, phases=3, regime_share=0.5, new_classes=1, s
         ({"phases": 2, "phase-rounds": 5, "ewc-server-lambda": 10.0}, "ewc-server-lambda"),  # no Fisher without EWC
         ({"phases": 2, "phase-rounds": 5, "ewc-lambda": 1.0, "ewc-server-lambda": -1.0}, "ewc-server-lambda"),
         ({"drift-new-classes": NUM_CLASSES - 1}, "drift-new-classes"),
-        ({"phases": 2, "phase-rounds": 5, "encryption": "paillier"}, "phases"),
     ],
 )
 def test_invalid_continual_config_names_the_key(values, key):

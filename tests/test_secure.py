@@ -10,6 +10,7 @@ side never loads the private key. One short simulation (Ray) checks the same end
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -708,25 +709,41 @@ def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, ke
     assert summaries["both"]["totals"]["downlink_bytes"] * 2 < summaries["sparse"]["totals"]["downlink_bytes"]
 
 
-def test_the_recipe_under_encryption_names_every_key_to_change_at_once(key_files):
-    """The recipe plus encryption is refused once, with the one --run-config fragment that
-    makes it run (phases, replay, EWC and calibration off; the sparse uplink and the
-    compressed downlink stay)."""
-    import re
-
-    from flwr.common.config import parse_config_args
-
+def test_the_recipe_runs_under_encryption_and_the_server_reads_no_site_s_fisher_or_moments(
+        tmp_path, key_files, site_side, flwr_log):
+    """The default recipe plus ``encryption = "paillier"`` runs end to end (loopback, real
+    ciphertexts): two phases, the head grows for the new class, the phase end consolidates
+    the Fisher and the last round calibrates the head, both from sums the server decrypts
+    through a site; no reply carries a plaintext Fisher or moments, and the server never
+    builds the private key."""
     from fedind.config import recipe
+    from fedind.site.app import app
+    from fedind.simulation import simulate
 
-    _, _, public_path = key_files
-    values = {**recipe().to_flower(), "encryption": "paillier", "paillier-public-key": str(public_path)}
-    with pytest.raises(ConfigError) as refused:
-        RunConfig.from_flower(values)
-    fragment = re.search(r'--run-config "([^"]+)"', str(refused.value)).group(1)
-    changes = parse_config_args([fragment])  # as `flwr run --run-config` reads it
-    assert set(changes) == {"phases", "phase-rounds", "replay-samples", "ewc-lambda", "head-calibration"}
-    cfg = RunConfig.from_flower({**values, **changes})
-    assert (cfg.phases, cfg.compression, cfg.downlink) == (1, "topk", "topk")
+    _, private_path, public_path = key_files
+    seen: list[set] = []
+
+    def recording_agent(message, context):
+        reply = _marked_site_agent(app, site_side)(message, context)
+        if not reply.has_error():
+            seen.append(set(reply.content.array_records) | set(reply.content.config_records))
+        return reply
+
+    cfg = replace(
+        recipe(run_name="enc-recipe", overwrite=True), run_dir=str(tmp_path), num_server_rounds=4, phase_rounds=2,
+        num_sites=3, samples_per_site=60, local_epochs=1, model_width=8, device="cpu", topk_warmup_rounds=0,
+        encryption="paillier", paillier_public_key=str(public_path), paillier_private_key=str(private_path),
+    )
+    summary = simulate(cfg, client_app=recording_agent, runtime="loopback")
+    assert summary["rounds"] == 4 and summary["totals"]["failures"] == 0
+    continual = summary["continual"]
+    assert continual["consolidated_phases"] == [0] and continual["classes"] == continual["initial_classes"] + 1
+    messages = [r.getMessage() for r in flwr_log.records]
+    assert any("EWC consolidated the Fisher of 1 sites" in m for m in messages)  # one sum of every site's
+    assert any("head calibrated on the feature moments of 3 sites" in m for m in messages)
+    keys_sent = set().union(*seen)
+    assert {wire.EWC_FISHER_ENCRYPTED, wire.FEATURE_MOMENTS_ENCRYPTED} <= keys_sent
+    assert not {wire.EWC_FISHER, wire.FEATURE_MOMENTS, wire.ARRAYS} & keys_sent
 
 
 # --------------------------------------------------------------------------- compressed downlink

@@ -49,7 +49,7 @@ from torch import nn
 
 __all__ = [
     "ClassMoments", "bounded_moments", "calibrate_head", "class_moments", "decode_moments", "encode_moments",
-    "merge_moments", "shrunk_covariances", "triangle", "untriangle",
+    "merge_moments", "moments_vector", "shrunk_covariances", "triangle", "untriangle", "vector_moments",
 ]
 
 SAMPLES_PER_CLASS = 1000  # virtual features per class
@@ -207,6 +207,52 @@ def merge_moments(parts: Sequence[ClassMoments], num_classes: int) -> tuple[np.n
     for p in parts:
         gap = p.means - means[p.classes]
         scatter[p.classes] += p.counts[:, None, None] * (p.covariances + gap[:, :, None] * gap[:, None, :])
+    return counts, means, scatter
+
+
+def moments_vector(moments: ClassMoments, num_classes: int) -> np.ndarray:
+    """One site's moments as a side vector for an encrypted sum (:mod:`fedind.paillier.sums`):
+    per class of the head, ``[n_c, n_c mu_c, triangle(n_c (Sigma_c + mu_c mu_c^T))]`` divided
+    by the site's windows ``N`` (zeros for a class it lacks), so per-window raw moments.
+    Averaged over sites with weights ``N_s / sum N`` and multiplied by ``sum N``
+    (:func:`vector_moments`), they give the union's, as :func:`merge_moments` does."""
+    f = moments.means.shape[1]
+    tri = f * (f + 1) // 2
+    total = float(np.sum(moments.counts))
+    out = np.zeros((num_classes, 1 + f + tri))
+    if total > 0:
+        n = moments.counts.astype(np.float64)
+        second = moments.covariances + moments.means[:, :, None] * moments.means[:, None, :]
+        out[moments.classes, 0] = n / total
+        out[moments.classes, 1:1 + f] = n[:, None] * moments.means / total
+        out[moments.classes, 1 + f:] = n[:, None] * triangle(second) / total
+    return out.ravel()
+
+
+def vector_moments(vector: np.ndarray, total: float, num_classes: int, features: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`merge_moments`' ``(counts, means, scatter)`` from the weighted mean of the sites'
+    :func:`moments_vector` and their windows in all, ``total``. Counts are rounded to whole
+    windows (the weights' rounding moves them by a fraction); ValueError when the length
+    does not fit or a count or variance comes out negative (no honest sum does)."""
+    f, tri = features, features * (features + 1) // 2
+    v = np.asarray(vector, dtype=np.float64)
+    if v.shape != (num_classes * (1 + f + tri),) or not np.all(np.isfinite(v)):
+        raise ValueError(f"Invalid moments vector: {v.shape} for {num_classes} classes of {features} features")
+    v = v.reshape(num_classes, 1 + f + tri) * float(total)
+    raw = v[:, 0]
+    if np.any(raw < -0.5):
+        raise ValueError("a negative count")
+    counts = np.round(raw)
+    held = counts > 0
+    means = np.zeros((num_classes, f))
+    means[held] = v[held, 1:1 + f] / raw[held, None]
+    second = untriangle(v[:, 1 + f:], f)
+    scatter = np.zeros((num_classes, f, f))
+    scatter[held] = second[held] - raw[held, None, None] * means[held, :, None] * means[held, None, :]
+    scatter[held] *= (counts[held] / raw[held])[:, None, None]
+    if np.any(np.diagonal(scatter, axis1=1, axis2=2) < -1e-6 * (1 + np.abs(second).max(initial=0))):
+        raise ValueError("a negative variance")
     return counts, means, scatter
 
 

@@ -98,6 +98,8 @@ __all__ = [
     "CiphertextError",
     "EncryptedVector",
     "FINE",
+    "SIDE",
+    "SIDE_CLIP",
     "Layout",
     "MAX_SITES",
     "MIN_SITES",
@@ -126,14 +128,15 @@ class Layout:
     """The bits of one packed slot: ``GUARD_BITS`` + 1 (sign, as the offset) + ``value_bits``
     (the level, ``Q = 2^value_bits - 1``) + ``weight_bits`` (headroom for integer site weights
     summing to ``K = 2^weight_bits``, so at most K sites per sum). Run config
-    ``paillier-value-bits`` / ``paillier-weight-bits``; the payload names it (``slot-bits``,
-    ``value-max``) and a payload of another layout is refused."""
+    ``paillier-value-bits`` / ``paillier-weight-bits`` (up to 20 value bits there; up to 48
+    here, so a slot fits the int64 arithmetic: :data:`SIDE`); the payload names it
+    (``slot-bits``, ``value-max``) and a payload of another layout is refused."""
 
     value_bits: int = 13
     weight_bits: int = 9
 
     def __post_init__(self) -> None:
-        for name, value, low, high in (("value_bits", self.value_bits, 2, 20), ("weight_bits", self.weight_bits, 1, 12)):
+        for name, value, low, high in (("value_bits", self.value_bits, 2, 48), ("weight_bits", self.weight_bits, 1, 12)):
             if type(value) is not int or not low <= value <= high:
                 raise ValueError(f"Invalid {name} value: {value!r} (expected an int in {low}..{high})")
 
@@ -165,6 +168,11 @@ class Layout:
 
 
 FINE = Layout()  # 24-bit slots, 13-bit levels, up to 512 sites: 85 values per 2048-bit key
+# Side sums (a phase end's Fisher, head calibration's feature moments: fedind.paillier.sums):
+# per-example means whose scale is not an update's, once per phase, so 40-bit levels under a
+# clip of 2^16: a step of 6e-8, 51-bit slots, 40 values per 2048-bit key.
+SIDE = Layout(value_bits=40, weight_bits=9)
+SIDE_CLIP = float(2**16)
 SLOT_BITS = FINE.slot_bits
 VALUE_MAX = FINE.value_max
 MAX_SITES = FINE.max_weight

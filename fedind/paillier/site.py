@@ -18,9 +18,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from .. import wire
 from ..config import RunConfig
 from .keys import KeyFileError, PrivateKey, load_private_key
-from .sparse import SetFeedback, indices_from_bytes, set_digest
+from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT
+from .sparse import SetFeedback, head_rows, indices_from_bytes, set_digest
+from .sums import SIDE_SUM, encrypt_side, flatten
 from .packing import (
     MIN_SITES,
+    SIDE,
+    SIDE_CLIP,
     CiphertextError,
     Layout,
     ObfuscatorPool,
@@ -53,10 +57,14 @@ def announced(msg: Message, count: int) -> tuple[np.ndarray, str]:
     return indices, digest
 
 
-def _load_feedback(context: Context, config: RunConfig, layout: Layout) -> SetFeedback:
+def _load_feedback(context: Context, config: RunConfig, layout: Layout, size: int) -> SetFeedback:
+    """The site's residual; one of another model size (the head grew since) is dropped: what
+    it delayed is lost once, where the plaintext residuals are padded row by row."""
     feedback = SetFeedback(config.paillier_clip, config.topk_residual_decay, layout)
     if RESIDUAL in context.state:
-        feedback.load_state_dict({"residual": context.state[RESIDUAL]["residual"].numpy()})
+        residual = context.state[RESIDUAL]["residual"].numpy()
+        if residual.size == size:
+            feedback.load_state_dict({"residual": residual})
     return feedback
 
 
@@ -81,8 +89,41 @@ def flat_delta(sent: Mapping, local: Mapping) -> np.ndarray:
     )
 
 
+def holder_scaled(delta: np.ndarray, sent: Mapping, holders: Mapping, histogram) -> np.ndarray:
+    """``delta`` with its head rows of the young classes (``holders``: from class ``from`` on)
+    times this site's share of windows of each class (0 for a class it does not hold): the
+    server divides their sum by the federation's (:meth:`fedind.server.encrypted.SecureAggregation._over_holders`),
+    which makes them means over the holders without reading any one site's rows."""
+    first = holders[wire.HOLDER_ROWS_FROM]
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"{wire.HOLDER_ROWS} {wire.HOLDER_ROWS_FROM} = {first!r}")
+    counts = np.asarray(histogram, dtype=np.float64)
+    shares = counts / counts.sum() if counts.sum() > 0 else np.zeros_like(counts)
+    shapes = {name: tuple(a.shape) for name, a in sent.items()}
+    rows, classes = head_rows(shapes, (HEAD_WEIGHT, HEAD_BIAS), first)
+    padded = np.zeros(max(shares.size, int(classes.max(initial=-1)) + 1))
+    padded[: shares.size] = shares
+    out = np.array(delta, dtype=np.float64, copy=True)
+    out[rows] *= padded[classes]
+    return out
+
+
 def model_size(arrays: Mapping) -> int:
     return int(sum(int(np.prod(a.shape)) for a in arrays.values()))
+
+
+def encrypted_side(context: Context, config: RunConfig, values: np.ndarray) -> tuple[ConfigRecord, int]:
+    """A side vector (:mod:`fedind.paillier.sums`) encrypted under the site's key: the
+    ConfigRecord and how many values were clipped; KeyFileError when the site has no key."""
+    record, clipped = encrypt_side(values, site_private_key(context, config))
+    return ConfigRecord(record), clipped
+
+
+def encrypted_fisher(context: Context, config: RunConfig, fisher: Mapping, arrays: Mapping) -> tuple[ConfigRecord, int]:
+    """The site's Fisher over the model's arrays (``arrays``: name -> Array), flat in their
+    sorted-name order, encrypted as a side vector."""
+    shapes = {name: tuple(a.shape) for name, a in arrays.items()}
+    return encrypted_side(context, config, flatten(fisher, shapes))
 
 
 def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
@@ -113,7 +154,13 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
         return reply
     started = time.perf_counter()
     delta = flat_delta(sent, reply.content[wire.ARRAYS])
-    feedback = _load_feedback(context, config, layout)  # dense rounds too: the residual keeps the rounding error
+    holders = msg.content.config_records.get(wire.HOLDER_ROWS)
+    if holders is not None:
+        try:
+            delta = holder_scaled(delta, sent, holders, reply.content[wire.METRICS][wire.LABEL_HISTOGRAM])
+        except (KeyError, TypeError, ValueError) as err:
+            return Message(Error(code=REJECTED_CIPHERTEXT, reason=f"refused the train instruction: {err}"), reply_to=msg)
+    feedback = _load_feedback(context, config, layout, delta.size)  # dense rounds too: the residual keeps the rounding error
     levels, clipped = feedback.encode(delta, indices)
     context.state[RESIDUAL] = ArrayRecord({"residual": Array(feedback.residual)})
     vector = encrypt_levels(levels, key, config.paillier_clip, pool, coordinates=digest, layout=layout)
@@ -126,16 +173,21 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
 
 def decrypt_query(msg: Message, context: Context) -> Message:
     """ClientApp query handler: decrypt the server's ``encrypted-aggregate`` and return the
-    weighted mean delta as ArrayRecord ``aggregate`` (``{"mean": float32 [count]}``); a sum
-    honest sites cannot produce is refused with ``sum-out-of-range`` (nothing decoded)."""
+    weighted mean as ArrayRecord ``aggregate`` (``{"mean": float32 [count]}``): the round's
+    delta, or with ``sum-of = "side"`` a side sum (:mod:`fedind.paillier.sums`), each
+    checked against its own layout and clip. A sum honest sites cannot produce is refused
+    with ``sum-out-of-range`` (nothing decoded)."""
     config = RunConfig.from_json(str(msg.content[wire.CONFIG][wire.RUN_CONFIG]))
+    sum_of = msg.content[wire.CONFIG].get(wire.SUM_OF, "update")
     try:
         key = site_private_key(context, config)
         record = msg.content.config_records.get(wire.ENCRYPTED_AGGREGATE)
         if record is None:
             raise CiphertextError(f"query without a {wire.ENCRYPTED_AGGREGATE!r} record")
-        aggregate = parse_record(record, key.public, kind="aggregate", clip=config.paillier_clip,
-                                 layout=Layout.of(config))
+        if sum_of not in ("update", SIDE_SUM):
+            raise CiphertextError(f"{wire.SUM_OF} = {sum_of!r}: expected 'update' or {SIDE_SUM!r}")
+        layout, clip = (SIDE, SIDE_CLIP) if sum_of == SIDE_SUM else (Layout.of(config), config.paillier_clip)
+        aggregate = parse_record(record, key.public, kind="aggregate", clip=clip, layout=layout)
         if aggregate.sites < MIN_SITES:  # defence in depth: it would be one site's update
             raise CiphertextError(f"an aggregate of {aggregate.sites} site(s) is not decrypted (minimum {MIN_SITES})")
         mean = decrypt_sum(aggregate, key)

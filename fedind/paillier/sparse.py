@@ -20,6 +20,10 @@ delayed, as with top-k error feedback). Set rules (:func:`announced_set`):
   (ties by index); coordinates that have not moved are filled in at random;
 - ``"mixed"``: ``k // 2`` largest of the last change, the rest drawn at random among the others.
 
+The head rows of the classes a phase grew (averaged over their holders, ``young-rows =
+holders``) are added to every set while they are young (:func:`head_rows`): a new class's
+row is what its one holder must be able to send.
+
 The set travels explicitly (sorted ``uint32`` little-endian), named by :func:`set_digest`,
 a SHA-256 of the round, the model size and the indices: a payload must name the digest of
 the set its site was sent and carry exactly ``k`` values.
@@ -28,14 +32,14 @@ the set its site was sent and carry exactly ``k`` values.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from .packing import FINE, Layout, dequantise, quantise
 
 __all__ = [
-    "SET_RULES", "SetFeedback", "announced_set", "coordinate_masks", "indices_from_bytes", "indices_to_bytes", "set_digest",
+    "SET_RULES", "SetFeedback", "announced_set", "coordinate_masks", "head_rows", "indices_from_bytes", "indices_to_bytes", "set_digest",
 ]
 
 SET_RULES = ("random", "change", "mixed")
@@ -90,6 +94,25 @@ def indices_from_bytes(blob: bytes, count: int) -> np.ndarray:
     if indices[-1] >= count or np.any(np.diff(indices) <= 0):
         raise ValueError(f"coordinate set: indices must be strictly increasing and below {count}")
     return indices
+
+
+def head_rows(shapes: Mapping[str, tuple[int, ...]], names: Sequence[str], first: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(flat indices, class of each)`` of rows ``first`` on of the arrays ``names`` (the
+    head's weight and bias: row ``c`` is class ``c``), flat over ``shapes`` in sorted-name
+    order as the sites encrypt them."""
+    indices, classes, offset = [], [], 0
+    for name in sorted(shapes):
+        shape = tuple(shapes[name])
+        size = int(np.prod(shape))
+        if name in names and shape and shape[0] > first:
+            per_row = size // shape[0]
+            rows = np.arange(first, shape[0], dtype=np.int64)
+            indices.append(offset + (rows[:, None] * per_row + np.arange(per_row)).ravel())
+            classes.append(np.repeat(rows, per_row))
+        offset += size
+    if not indices:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(indices), np.concatenate(classes)
 
 
 def coordinate_masks(indices: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:

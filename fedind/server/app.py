@@ -152,6 +152,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             folder=folder,
             run_config_json=run_config_json,
             pipeline=pipeline,
+            secure=strategy if config.encryption == "paillier" else None,
         )
     arrays, first_round = initial, 1
     if checkpoint is not None:

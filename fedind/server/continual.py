@@ -47,11 +47,12 @@ from ..continual.phases import (
 )
 from ..data.format import SiteArrays
 from ..continual.calibration import (
-    ClassMoments, bounded_moments, calibrate_head, decode_moments, merge_moments, shrunk_covariances,
+    ClassMoments, bounded_moments, calibrate_head, decode_moments, merge_moments, shrunk_covariances, vector_moments,
 )
 from ..continual.ewc import EWCState, server_consolidation
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT, expand_head, set_head_rows
 from ..files import atomic_write
+from ..paillier.sums import unflatten
 from .metering import payload_bytes, site_id_of
 from ..models import FaultCNN
 from .pipeline import ReplyPipeline
@@ -92,6 +93,7 @@ class PhaseController:
         folder: Path,
         run_config_json: str,
         pipeline: ReplyPipeline | None = None,
+        secure: "SecureAggregation | None" = None,
     ) -> None:
         if len(test_sets) != config.phases:
             raise ValueError(f"expected {config.phases} phase test sets, got {len(test_sets)}")
@@ -106,6 +108,7 @@ class PhaseController:
         self.folder = Path(folder)
         self.run_config_json = run_config_json
         self.pipeline = pipeline  # follows a grown head (the length of a valid label histogram)
+        self.secure = secure  # encryption: the Fisher and the feature moments are summed under Paillier
         self.ewc = EWCState(config.ewc_gamma, config.ewc_keep) if config.ewc_lambda > 0 else None
         self.consolidated: list[int] = []  # phases whose end the sites were told of
         self.expansions: list[dict] = []  # {"round", "from", "to", "proposed_rows"}
@@ -256,7 +259,7 @@ class PhaseController:
         )
         messages = [Message(content=content, message_type=wire.PHASE_END, dst_node_id=n) for n in self.node_ids]
         replies = self.grid.send_and_receive(messages, timeout=self.config.round_timeout)
-        fishers, weights = [], []
+        fishers, weights, encrypted = [], [], []
         for reply in replies:
             if reply.has_error():
                 log(WARNING, "phase %d end: node %d failed: %s", phase, reply.metadata.src_node_id, reply.error.reason)
@@ -266,12 +269,21 @@ class PhaseController:
             if self.ewc is None:
                 continue
             try:
+                if self.secure is not None:
+                    encrypted.append((reply, *_encrypted_record(reply, wire.EWC_FISHER_ENCRYPTED)))
+                    continue
                 fisher, n = _read_fisher(reply, arrays)
             except ValueError as err:
                 log(WARNING, "phase %d end: Fisher of site %s dropped: %s", phase, site_id_of(reply), err)
                 continue
             fishers.append(fisher)
             weights.append(n)
+        if encrypted:  # the sites' Fisher, summed under encryption: the pooled Fisher, never one site's
+            shapes = {name: tuple(a.shape) for name, a in arrays.items()}
+            summed = self.secure.side_mean(f"phase {phase} end Fisher", server_round, encrypted,
+                                           sum(int(np.prod(s)) for s in shapes.values()))
+            if summed is not None:
+                fishers, weights = [unflatten(np.maximum(summed[0], 0.0), shapes)], [1.0]
         if self.ewc is not None:
             if fishers:
                 self.ewc.consolidate(fishers, weights, _numpy(arrays))
@@ -298,6 +310,12 @@ class PhaseController:
     def calibrated(self, server_round: int, arrays: ArrayRecord, replies) -> ArrayRecord:
         """``arrays`` with the head refit on the moments of the calibration ``replies``."""
         weight, bias = arrays[HEAD_WEIGHT].numpy(), arrays[HEAD_BIAS].numpy()
+        if self.secure is not None:
+            merged = self._summed_moments(server_round, replies, *weight.shape)
+            if merged is None:
+                return arrays
+            counts, means, scatter, sites = merged
+            return self._refit(server_round, arrays, counts, means, scatter, sites=sites)
         described: dict[str, ClassMoments] = {}
         for reply in replies:
             if reply.has_error():
@@ -314,6 +332,11 @@ class PhaseController:
         for reason in reasons:
             log(WARNING, "round %d calibration: %s", server_round, reason)
         counts, means, scatter = merge_moments(parts, weight.shape[0]) if parts else (np.zeros(0), None, None)
+        return self._refit(server_round, arrays, counts, means, scatter, sites=len(parts))
+
+    def _refit(self, server_round: int, arrays: ArrayRecord, counts, means, scatter, *, sites: int) -> ArrayRecord:
+        """``arrays`` with the head refit on the merged moments (fewer than two classes: as they are)."""
+        weight, bias = arrays[HEAD_WEIGHT].numpy(), arrays[HEAD_BIAS].numpy()
         if np.count_nonzero(counts) < 2:
             log(WARNING, "round %d calibration: features of %d classes described; the head stays", server_round,
                 np.count_nonzero(counts))
@@ -321,10 +344,52 @@ class PhaseController:
         new_weight, new_bias = calibrate_head(weight, bias, counts, means, shrunk_covariances(counts, scatter),
                                               seed=self.config.seed * 1_000_003 + server_round)
         log(INFO, "round %d: head calibrated on the feature moments of %d sites (%d windows, %d classes)",
-            server_round, len(parts), int(counts.sum()), np.count_nonzero(counts))
+            server_round, sites, int(counts.sum()), np.count_nonzero(counts))
         edited = _record({**_numpy(arrays), HEAD_WEIGHT: new_weight, HEAD_BIAS: new_bias})
         reset_strategy_rows(self.strategy, edited, range(weight.shape[0]))
         return edited
+
+    def _summed_moments(self, server_round: int, replies, num_classes: int, features: int):
+        """Under encryption: ``(counts, means, scatter, sites)`` of the sites' moments summed
+        under Paillier (:func:`~fedind.continual.calibration.moments_vector`), or None (logged).
+        One line's record cannot be bounded here; the sum's counts can: a class with more
+        windows than the summed lines declared in training (label histograms plus replay
+        buffers, with 2 % for the weights' rounding) means a forged record, and the head stays."""
+        parts = []
+        for reply in replies:
+            if reply.has_error():
+                log(WARNING, "round %d calibration: node %d failed: %s", server_round, reply.metadata.src_node_id,
+                    reply.error.reason)
+                continue
+            try:
+                parts.append((reply, *_encrypted_record(reply, wire.FEATURE_MOMENTS_ENCRYPTED)))
+            except ValueError as err:
+                log(WARNING, "round %d calibration: feature moments of site %s dropped: %s", server_round,
+                    site_id_of(reply), err)
+        size = num_classes * (1 + features + features * (features + 1) // 2)
+        summed = self.secure.side_mean(f"round {server_round} calibration", server_round, parts, size)
+        if summed is None:
+            log(WARNING, "round %d calibration: no summed feature moments; the head stays", server_round)
+            return None
+        mean, used = summed
+        total = sum(_encrypted_record(r, wire.FEATURE_MOMENTS_ENCRYPTED)[1] for r in used)
+        try:
+            counts, means, scatter = vector_moments(mean, total, num_classes, features)
+        except ValueError as err:
+            log(WARNING, "round %d calibration: the summed moments are invalid (%s); the head stays", server_round, err)
+            return None
+        declared = self._declared_windows()
+        limit = np.zeros(num_classes)
+        for reply in used:
+            line = np.asarray(declared.get(site_id_of(reply), []), dtype=np.float64)[:num_classes]
+            limit[: line.size] += line
+        over = np.flatnonzero(counts > 1.02 * limit + 1)
+        if over.size:
+            log(WARNING, "round %d calibration: the summed moments claim %s windows of classes %s, over the %s the "
+                "lines declared in training; a line forged its record (which one the sum cannot tell): the head "
+                "stays", server_round, counts[over].astype(int).tolist(), over.tolist(), limit[over].astype(int).tolist())
+            return None
+        return counts, means, scatter, len(used)
 
     def _declared_windows(self) -> dict[str, list[int]]:
         """Per site, the windows of each class it can describe: its latest label histogram,
@@ -473,6 +538,19 @@ def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
 
 def _numpy(arrays: ArrayRecord) -> dict[str, np.ndarray]:
     return {name: a.numpy() for name, a in arrays.items()}
+
+
+def _encrypted_record(reply: Message, name: str) -> tuple[Mapping, float]:
+    """(payload, num-examples) of a reply carrying an encrypted side vector ``name``
+    (:mod:`fedind.paillier.sums`); ValueError when either is missing or malformed."""
+    record = reply.content.config_records.get(name)
+    if record is None:
+        raise ValueError(f"no {name!r} record")
+    metrics = next(iter(reply.content.metric_records.values()), {})
+    n = metrics.get(wire.NUM_EXAMPLES)
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not (math.isfinite(n) and n > 0):
+        raise ValueError(f"{wire.NUM_EXAMPLES} = {n!r}")
+    return record, float(n)
 
 
 def _read_fisher(reply: Message, arrays: ArrayRecord) -> tuple[dict[str, np.ndarray], float]:

@@ -51,11 +51,16 @@ from .. import wire
 from ..aggregation.weighting import GlobalHistogram, dwa_weights
 from ..config import DWA_STRATEGIES, ConfigError, RunConfig
 from ..paillier.keys import KeyFileError, PublicKey, load_public_key
-from ..paillier.packing import FINE, MIN_SITES, CiphertextError, EncryptedVector, Layout, integer_weights, weighted_sum
-from ..paillier.sparse import SET_RULES, announced_set, indices_to_bytes, set_digest
+from ..paillier.packing import (
+    FINE, MIN_SITES, SIDE, SIDE_CLIP, CiphertextError, EncryptedVector, Layout, integer_weights, weighted_sum,
+)
+from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT
+from ..paillier.sparse import SET_RULES, announced_set, head_rows, indices_to_bytes, set_digest
+from ..paillier.sums import SIDE_SUM, parse_side
+from .metering import site_id_of
 from ..topk.selection import warmup_ratio
 from .pipeline import Rejected, ReplyPipeline, SiteUpdate, decode_reply, update_of
-from .strategies import build_strategy, load_strategy_state, strategy_state
+from .strategies import build_strategy, edit_strategy_state, load_strategy_state, strategy_state
 from .screening import InvalidUpdate as InvalidReply
 
 REJECTED_CIPHERTEXT = wire.REJECTED_CIPHERTEXT  # the code's table: fedind.wire
@@ -103,6 +108,8 @@ class SecureAggregation(Strategy):
     weighting off, since it sees one reply).
     """
 
+    follows_grown_head = True  # fedind.server.strategies.edit_strategy_state: pass num_classes on
+
     def __init__(
         self,
         strategy: Strategy,
@@ -134,6 +141,7 @@ class SecureAggregation(Strategy):
         self.coordinates: np.ndarray | None = None  # this round's announced set (sparse rounds)
         self._last_global: np.ndarray | None = None  # the model sent last round (flat), for the change
         self.refused_rounds = 0  # rounds whose sum was out of range (a site encrypted out-of-range values)
+        self.holder_rows_from: int | None = None  # young rows, averaged over their holders (average_over_holders)
 
     def summary(self) -> None:
         log(INFO, "\t├──> Paillier-encrypted aggregation:")
@@ -159,7 +167,18 @@ class SecureAggregation(Strategy):
             record = self._announce(server_round, arrays)
             for message in messages:
                 message.content[wire.PAILLIER_SET] = record
+        if self.holder_rows_from is not None:
+            holders = ConfigRecord({wire.HOLDER_ROWS_FROM: self.holder_rows_from})
+            for message in messages:
+                message.content[wire.HOLDER_ROWS] = holders
         return messages
+
+    def _young_rows(self, arrays: ArrayRecord) -> tuple[np.ndarray, np.ndarray]:
+        """Flat indices of the young classes' head rows and the class of each (none: empty)."""
+        if self.holder_rows_from is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        shapes = {name: tuple(arrays[name].shape) for name in arrays}
+        return head_rows(shapes, (HEAD_WEIGHT, HEAD_BIAS), self.holder_rows_from)
 
     def _announce(self, server_round: int, arrays: ArrayRecord) -> ConfigRecord:
         """The round's coordinate set (from the last global change and the seed only)."""
@@ -170,6 +189,9 @@ class SecureAggregation(Strategy):
         k = max(1, int(round(warmup_ratio(self.sparse.ratio, server_round, self.sparse.warmup_rounds) * flat.size)))
         self.coordinates = announced_set(self.sparse.rule, server_round, int(flat.size), k,
                                          seed=self.sparse.seed, last_change=change)
+        young, _ = self._young_rows(arrays)
+        if young.size:  # a young class's rows: what its holders must be able to send
+            self.coordinates = np.union1d(self.coordinates, young)
         digest = set_digest(self.coordinates, int(flat.size), server_round)
         return ConfigRecord({wire.SET_INDICES: indices_to_bytes(self.coordinates), wire.SET_DIGEST: digest})
 
@@ -201,6 +223,7 @@ class SecureAggregation(Strategy):
             dense = np.zeros(self._last_global.size, dtype=np.float32)
             dense[self.coordinates] = mean * np.float32(self.sparse.gain)
             mean = dense
+        mean = self._over_holders(mean, updates, integers)
         arrays, metrics = self.strategy.aggregate_train(server_round, [self._as_reply(updates, mean)])
         if metrics is not None:
             metrics.pop(wire.CONFLICT_SHARE, None)  # per-site signs are hidden: not measured
@@ -208,6 +231,47 @@ class SecureAggregation(Strategy):
                 metrics[wire.DWA_WEIGHT_MIN] = float(np.min(weights))
                 metrics[wire.DWA_WEIGHT_MAX] = float(np.max(weights))
         return arrays, metrics
+
+    def _over_holders(self, mean: np.ndarray, updates: list[SiteUpdate], integers: list[int]) -> np.ndarray:
+        """The young classes' rows of the decrypted mean turned into means over their holders.
+        Each site scaled its rows of class ``c`` by its share ``p_i(c)`` of windows of ``c``
+        (:func:`fedind.paillier.site.paillier_mod`), so the mean holds ``sum_i w_i p_i(c) d_ic``;
+        divided by ``sum_i w_i p_i(c)`` (the weights and histograms are the server's) it is
+        :func:`fedind.aggregation.weighting.class_row_scales`' average over the holders, as DWA's
+        ``young-rows = holders`` in the clear. A class no site holds this round stays as summed."""
+        young, classes = self._young_rows(self.arrays)
+        if not young.size or any(u.histogram is None for u in updates):
+            return mean
+        w = np.asarray(integers, dtype=np.float64) / sum(integers)
+        shares = np.array([np.asarray(u.histogram, np.float64) / max(sum(u.histogram), 1) for u in updates])
+        mass = w @ shares  # per class: sum_i w_i p_i(c)
+        held = mass[classes] > 0
+        out = mean.copy()
+        out[young[held]] = (mean[young[held]] / mass[classes[held]]).astype(np.float32)
+        return out
+
+    # ------------------------------------------------------------------ edits of the global model
+
+    def average_over_holders(self, first: int | None) -> None:
+        """From the next round, the head rows of classes ``first`` on are averaged over the
+        sites that hold each (``young-rows = holders``: :meth:`_over_holders`); None: none."""
+        self.holder_rows_from = first
+
+    def follow_global_model(self, arrays: ArrayRecord, edit=None, num_classes: int | None = None) -> None:
+        """The server edited the global model (a grown head, calibration): the wrapped strategy
+        follows it (:func:`fedind.server.strategies.edit_strategy_state`), and a grown head pads
+        the label histograms that the DWA weights are computed from."""
+        edit_strategy_state(self.strategy, arrays, edit, num_classes)
+        if num_classes is None or num_classes == self.num_classes:
+            return
+        self.num_classes = num_classes
+        if self.global_histogram is not None:
+            state = self.global_histogram.state_dict()
+            self.global_histogram = GlobalHistogram(num_classes)
+            self.global_histogram.load_state_dict({
+                "num_classes": num_classes,
+                "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in state["sites"].items()},
+            })
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)
@@ -259,27 +323,37 @@ class SecureAggregation(Strategy):
         )
 
     def _decrypt(self, server_round: int, aggregate: EncryptedVector, updates: list[SiteUpdate]) -> np.ndarray | None:
-        """Ask key-holding sites in turn (rotating with the round) to decrypt the sum. When
+        """The round's decrypted weighted mean delta (:meth:`_decrypted`), or None."""
+        return self._decrypted(f"encrypted round {server_round}", server_round, aggregate,
+                               [(u.node_id, u.site_id) for u in updates])
+
+    def _decrypted(self, what: str, rotation: int, aggregate: EncryptedVector, senders: list[tuple[int, str]],
+                   side: bool = False) -> np.ndarray | None:
+        """Ask key-holding sites among ``senders`` (node, site) in turn, starting at ``rotation``,
+        to decrypt the sum (``side``: a side sum, :mod:`fedind.paillier.sums`). When
         :data:`OUT_OF_RANGE_QUORUM` of them find it out of range (or fewer, and no other one
-        decrypts it), the round is refused and counted: a site lied, which one the sum cannot tell."""
+        decrypts it), it is refused and counted: a site lied, which one the sum cannot tell."""
+        query = {wire.RUN_CONFIG: str(self.train_config[wire.RUN_CONFIG])}
+        if side:
+            query[wire.SUM_OF] = SIDE_SUM
         content = RecordDict(
             {
                 wire.ENCRYPTED_AGGREGATE: ConfigRecord(aggregate.to_config(self.key)),
-                wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: str(self.train_config[wire.RUN_CONFIG])}),
+                wire.CONFIG: ConfigRecord(query),
             }
         )
-        nodes = [u.node_id for u in updates]
-        start = (server_round - 1) % len(nodes)
+        nodes = [node for node, _ in senders]
+        start = (rotation - 1) % len(nodes)
         out_of_range: list[str] = []
         for node in (nodes[(start + i) % len(nodes)] for i in range(min(DECRYPT_ATTEMPTS, len(nodes)))):
-            query = Message(content=content, message_type=MessageType.QUERY, dst_node_id=node)
-            answers = list(self.grid.send_and_receive([query], timeout=self.timeout))
+            message = Message(content=content, message_type=MessageType.QUERY, dst_node_id=node)
+            answers = list(self.grid.send_and_receive([message], timeout=self.timeout))
             try:
                 if not answers:
                     raise InvalidReply("no answer (timeout)")
-                return self._check_mean(answers[0], aggregate.count)
+                return self._check_mean(answers[0], aggregate.count, SIDE_CLIP if side else self.clip)
             except InvalidReply as err:
-                log(WARNING, "encrypted round %d: node %d did not decrypt the aggregate: %s", server_round, node, err)
+                log(WARNING, "%s: node %d did not decrypt the aggregate: %s", what, node, err)
                 if answers and answers[0].has_error() and answers[0].error.code == wire.SUM_OUT_OF_RANGE:
                     out_of_range.append(answers[0].error.reason)
                     if len(out_of_range) == OUT_OF_RANGE_QUORUM:
@@ -288,17 +362,42 @@ class SecureAggregation(Strategy):
             self.refused_rounds += 1
             log(
                 WARNING,
-                "encrypted round %d: refused the aggregate: %d decrypting site(s) found a sum honest sites cannot "
+                "%s: refused the aggregate: %d decrypting site(s) found a sum honest sites cannot "
                 "produce (%s); one of the sites %s encrypted out-of-range values, which one cannot be known (no "
-                "single update is ever decrypted); the global model stays (%d round(s) refused so far)",
-                server_round, len(out_of_range), out_of_range[0], sorted(u.site_id for u in updates),
-                self.refused_rounds,
+                "single update is ever decrypted); %s (%d sum(s) refused so far)",
+                what, len(out_of_range), out_of_range[0], sorted(site for _, site in senders),
+                "it is left out" if side else "the global model stays", self.refused_rounds,
             )
             return None
-        log(WARNING, "encrypted round %d: no site decrypted the aggregate; the global model stays", server_round)
+        log(WARNING, "%s: no site decrypted the aggregate; %s", what,
+            "it is left out" if side else "the global model stays")
         return None
 
-    def _check_mean(self, answer: Message, count: int) -> np.ndarray:
+    def side_mean(self, what: str, rotation: int, parts: list[tuple[Message, Mapping, float]], count: int
+                  ) -> tuple[np.ndarray, list[Message]] | None:
+        """The weighted mean of the sites' encrypted side vectors (:mod:`fedind.paillier.sums`;
+        ``parts``: reply, its payload, its weight such as its windows), decrypted by one of
+        them, and the replies in it; None (logged) when fewer than :data:`MIN_SITES` valid
+        payloads came or no site decrypted the sum. A malformed payload is logged and left out."""
+        vectors, weights, used = [], [], []
+        for reply, record, weight in parts:
+            try:
+                vectors.append(parse_side(record, self.key, count))
+            except CiphertextError as err:
+                log(WARNING, "%s: dropped the encrypted payload of site %s: %s", what, site_id_of(reply), err)
+                continue
+            weights.append(weight)
+            used.append(reply)
+        if len(vectors) < MIN_SITES or not sum(weights) > 0:
+            log(WARNING, "%s: %d valid encrypted payload(s); a sum of fewer than %d sites is not decrypted "
+                "(it would reveal a site's)", what, len(vectors), MIN_SITES)
+            return None
+        aggregate = weighted_sum(vectors, integer_weights(weights, SIDE.max_weight), self.key)
+        senders = [(r.metadata.src_node_id, site_id_of(r)) for r in used]
+        mean = self._decrypted(what, rotation, aggregate, senders, side=True)
+        return None if mean is None else (mean, used)
+
+    def _check_mean(self, answer: Message, count: int, clip: float) -> np.ndarray:
         if answer.has_error():
             raise InvalidReply(answer.error.reason)
         record = answer.content.array_records.get(wire.AGGREGATE)
@@ -307,8 +406,8 @@ class SecureAggregation(Strategy):
         mean = record["mean"].numpy()
         if mean.dtype != np.float32 or mean.shape != (count,):
             raise InvalidReply(f"mean is {mean.dtype}{list(mean.shape)}, expected float32[{count}]")
-        if not np.all(np.isfinite(mean)) or np.abs(mean).max(initial=0) > self.clip * (1 + 1e-6):
-            raise InvalidReply(f"mean has non-finite values or values beyond the clip {self.clip}")
+        if not np.all(np.isfinite(mean)) or np.abs(mean).max(initial=0) > clip * (1 + 1e-6):
+            raise InvalidReply(f"mean has non-finite values or values beyond the clip {clip}")
         return mean
 
     def _as_reply(self, updates: list[SiteUpdate], mean: np.ndarray) -> Message:

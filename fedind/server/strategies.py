@@ -223,7 +223,7 @@ def load_strategy_state(strategy: Strategy, state: dict) -> None:
 
 def adopt_global_model(strategy: Strategy, arrays: ArrayRecord) -> None:
     """Make ``arrays`` (edited after the strategy's step) the model ``strategy`` steps from."""
-    _edit_strategy_state(strategy, arrays, None)
+    edit_strategy_state(strategy, arrays, None)
 
 
 def grow_strategy_classes(strategy: Strategy, arrays: ArrayRecord, num_classes: int) -> None:
@@ -231,7 +231,7 @@ def grow_strategy_classes(strategy: Strategy, arrays: ArrayRecord, num_classes: 
     pad every piece of the strategy's cross-round state that follows it, with zeros
     (:func:`fedind.continual.expansion.pad_head_rows`: no momentum, no moments, no label counts yet
     for the new classes), and make ``arrays`` the strategy's current model."""
-    _edit_strategy_state(strategy, arrays, lambda state: pad_head_rows(state, num_classes), num_classes)
+    edit_strategy_state(strategy, arrays, lambda state: pad_head_rows(state, num_classes), num_classes)
 
 
 def reset_strategy_rows(strategy: Strategy, arrays: ArrayRecord, classes) -> None:
@@ -239,15 +239,15 @@ def reset_strategy_rows(strategy: Strategy, arrays: ArrayRecord, classes) -> Non
     replaced the average): zero their momentum and moments
     (:func:`fedind.continual.expansion.zero_head_rows`: the steps they hold were not taken) and make
     ``arrays`` the strategy's current model."""
-    _edit_strategy_state(strategy, arrays, lambda state: zero_head_rows(state, classes))
+    edit_strategy_state(strategy, arrays, lambda state: zero_head_rows(state, classes))
 
 
-def _edit_strategy_state(strategy: Strategy, arrays: ArrayRecord, edit: Edit | None, num_classes: int | None = None) -> None:
+def edit_strategy_state(strategy: Strategy, arrays: ArrayRecord, edit: Edit | None, num_classes: int | None = None) -> None:
     """Tell the strategy (its ``follow_global_model``) that ``arrays`` is its current model
     and ``edit`` (None: leave it) maps its cross-round state aligned with the arrays;
     ``num_classes``: the head grew (DWA pads its label histograms). A strategy that keeps
     state and has no such method is a ValueError (RunConfig refuses such combinations)."""
-    if isinstance(strategy, DWA):
+    if isinstance(strategy, DWA) or getattr(strategy, "follows_grown_head", False):  # DWA, SecureAggregation
         strategy.follow_global_model(arrays, edit, num_classes)
     elif isinstance(strategy, _Typed):
         strategy.follow_global_model(arrays, edit)

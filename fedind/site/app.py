@@ -23,12 +23,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from .. import wire
 from ..config import RunConfig
-from ..continual.calibration import class_moments, encode_moments
+from ..continual.calibration import class_moments, encode_moments, moments_vector
 from ..continual.phases import classes_seen, evaluate_known, known, propose_new_rows
 from ..continual.site import (
     load_replay,
@@ -263,7 +263,17 @@ def phase_end(msg: Message, context: Context) -> Message:
     if config.ewc_lambda and data.num_examples:
         fisher = diagonal_fisher(model, data, device, seed=seed % 2**31)
         fisher, _ = focus(fisher, fisher, config.ewc_keep)  # the server keeps that share of the sum too
-        content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
+        if config.encryption == "paillier":  # summed under encryption: the server never sees one site's Fisher
+            from ..paillier.keys import KeyFileError
+            from ..paillier.site import encrypted_fisher
+
+            try:
+                content[wire.EWC_FISHER_ENCRYPTED], metrics[wire.CLIPPED_VALUES] = encrypted_fisher(
+                    context, config, fisher, msg.content[wire.ARRAYS])
+            except KeyFileError as err:
+                return Message(Error(code=wire.SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+        else:
+            content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
     content[wire.METRICS] = metrics
     return Message(content=content, reply_to=msg)
 
@@ -286,8 +296,18 @@ def calibrate(msg: Message, context: Context) -> Message:
     content = RecordDict({
         wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id}),
         wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: int(moments.counts.sum())}),
-        wire.FEATURE_MOMENTS: ConfigRecord(encode_moments(moments)),
     })
+    if config.encryption == "paillier":  # summed under encryption (fedind.paillier.sums)
+        from ..paillier.keys import KeyFileError
+        from ..paillier.site import encrypted_side
+
+        try:
+            content[wire.FEATURE_MOMENTS_ENCRYPTED], content[wire.METRICS][wire.CLIPPED_VALUES] = encrypted_side(
+                context, config, moments_vector(moments, model.head.out_features))
+        except KeyFileError as err:
+            return Message(Error(code=wire.SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+    else:
+        content[wire.FEATURE_MOMENTS] = ConfigRecord(encode_moments(moments))
     return Message(content=content, reply_to=msg)
 
 
