@@ -162,8 +162,8 @@ def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, 
     }
 
 
-# The recipe's features that encryption refuses at start (docs/encryption.md), off in both arms,
-# and a dense uplink and downlink (this benchmark times whole updates).
+# One phase (no replay, EWC or calibration: this benchmark times the rounds' updates), in both
+# arms, and a dense uplink and downlink (it times whole updates).
 ENCRYPTABLE = [f"{key}={str(value).lower()}" for key, value in recipe().phases_off().items()] + [
     "compression=none", "downlink=none"]
 

@@ -61,9 +61,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sparse-ratio", type=float, default=None, help="paillier-set-ratio of the sparse-* variants")
     parser.add_argument("--out", default="runs/sparse-paillier")
     parser.add_argument("--recipe", action="store_true",
-                        help="the recipe's configuration in one phase (what encryption runs) instead of RunConfig's defaults")
+                        help="the recipe's configuration in one phase instead of RunConfig's defaults (the whole "
+                             "recipe under encryption: simulations/plant.py encryption=paillier)")
     args, overrides = parser.parse_known_args(argv)
-    # the recipe without what needs phases (refused under encryption: docs/encryption.md)
+    # the recipe without what needs phases: one phase of static data, as measured before
+    # encryption ran the continual part (2026-12-06; docs/benchmarks/sparse-paillier.md)
     if args.recipe:
         whole = recipe()
         start = RunConfig.from_flower({**whole.to_flower(), **whole.phases_off()})

@@ -12,7 +12,9 @@ phase 0 as well changed phase 1 for the worse on some seeds: training is left al
 **Site** (:func:`class_moments`): with the final global model as received, the features
 :math:`z = \phi(x)` of its windows (this phase's and its replay buffer's), and per class it
 holds, the count :math:`n_c`, the mean :math:`\mu_c` and the covariance :math:`\Sigma_c`
-(upper triangle). Nothing per window.
+(upper triangle). Nothing per window. Under encryption the site sends them instead as one
+side vector of per-window raw moments (:func:`moments_vector`), summed under Paillier; the
+server reads the union's from the sum (:func:`vector_moments`) and never one line's.
 
 **Server** (:func:`merge_moments`): the moments of the union, exactly,
 

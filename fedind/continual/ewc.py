@@ -59,8 +59,8 @@ penalty, :math:`\theta \leftarrow \arg\min_\theta \frac12\|\theta - \theta_{agg}
 \frac{\kappa}{2}\sum_i F_i(\theta_i - \theta^*_i)^2`, i.e. each coordinate's drift from its
 anchor is damped by :math:`1 / (1 + \kappa F_i)`. It acts on what the sites' penalty acts on,
 so the two add up; the benchmark measures whether that pays (README, *Continual learning*).
-It needs the Fisher where updates are aggregated, so not under encryption (phases are
-refused there anyway).
+Under encryption the server holds the summed Fisher (:mod:`fedind.paillier.sums`), which is
+all it needs.
 """
 
 from __future__ import annotations

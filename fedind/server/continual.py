@@ -18,6 +18,12 @@ Wire (names in :mod:`fedind.wire`):
   ``new-classes`` with its proposed rows for them (``rows``: the rows then the biases,
   flat; ``counts``: its windows of each class; :func:`fedind.continual.phases.propose_new_rows`).
 
+Under ``encryption = "paillier"`` a phase-end reply carries ConfigRecord
+``ewc-fisher-encrypted`` and a calibration reply ``feature-moments-encrypted`` instead
+(:mod:`fedind.paillier.sums`): the controller has them summed and decrypted through a site
+(``secure``, the run's :class:`~fedind.server.encrypted.SecureAggregation`) and reads the
+federation's Fisher and moments, never one site's.
+
 The site's half (replay buffer, EWC penalty of a train message) is :mod:`fedind.continual.site`.
 """
 
