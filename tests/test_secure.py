@@ -744,6 +744,10 @@ def test_the_recipe_runs_under_encryption_and_the_server_reads_no_site_s_fisher_
     keys_sent = set().union(*seen)
     assert {wire.EWC_FISHER_ENCRYPTED, wire.FEATURE_MOMENTS_ENCRYPTED} <= keys_sent
     assert not {wire.EWC_FISHER, wire.FEATURE_MOMENTS, wire.ARRAYS} & keys_sent
+    # It resumes from its checkpoint: the grown head's label histograms and young rows included.
+    resumed = simulate(replace(cfg, resume=True, num_server_rounds=5), client_app=recording_agent, runtime="loopback")
+    assert resumed["rounds"] == 5 and resumed["totals"]["failures"] == 0
+    assert resumed["continual"]["classes"] == continual["classes"]
 
 
 # --------------------------------------------------------------------------- compressed downlink
