@@ -260,6 +260,12 @@ class RunConfig:
             for key, value, why in self._needing_phases():
                 raise ConfigError(f"Invalid run config {key} = {value!r}: it needs phases > 1 ({why})")
             return
+        if self.local_stretch_phase >= self.phases:  # with one phase, 1 means "static data never stretches"
+            raise ConfigError(
+                f"Invalid run config local-stretch-phase = {self.local_stretch_phase!r}: the run has phases "
+                f"0..{self.phases - 1}, so no batch would ever be stretched; set it below phases = {self.phases} "
+                f"(or local-stretch = 1.0)"
+            )
         if self.phase_rounds < 1 or (self.phases - 1) * self.phase_rounds >= self.num_server_rounds:
             raise ConfigError(
                 f"Invalid run config phase-rounds = {self.phase_rounds!r}: phases = {self.phases} need "

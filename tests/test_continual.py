@@ -118,6 +118,8 @@ def test_local_stretch_starts_at_its_phase():
     assert RunConfig(local_stretch=1.25, local_stretch_phase=1).local_stretch_at(80) == 1.0
     with pytest.raises(ConfigError, match="local-stretch-phase"):
         RunConfig(local_stretch_phase=-1)
+    with pytest.raises(ConfigError, match="local-stretch-phase = 3: the run has phases 0..2"):
+        RunConfig(num_server_rounds=25, phases=3, phase_rounds=8, local_stretch_phase=3)
 
 
 def test_local_stretch_ramps_up_from_its_start():
