@@ -33,6 +33,7 @@ import csv
 import io
 import math
 from collections.abc import Mapping
+from typing import Any
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -315,25 +316,17 @@ class PhaseController:
 
     def calibrated(self, server_round: int, arrays: ArrayRecord, replies) -> ArrayRecord:
         """``arrays`` with the head refit on the moments of the calibration ``replies``."""
-        weight, bias = arrays[HEAD_WEIGHT].numpy(), arrays[HEAD_BIAS].numpy()
+        weight = arrays[HEAD_WEIGHT].numpy()
+        what = f"round {server_round} calibration"
         if self.secure is not None:
-            merged = self._summed_moments(server_round, replies, *weight.shape)
+            encrypted = _answered(what, replies, lambda r: _encrypted_record(r, wire.FEATURE_MOMENTS_ENCRYPTED))
+            merged = self._summed_moments(server_round, [(r, *v) for r, v in encrypted], *weight.shape)
             if merged is None:
                 return arrays
             counts, means, scatter, sites = merged
             return self._refit(server_round, arrays, counts, means, scatter, sites=sites)
-        described: dict[str, ClassMoments] = {}
-        for reply in replies:
-            if reply.has_error():
-                log(WARNING, "round %d calibration: node %d failed: %s", server_round, reply.metadata.src_node_id,
-                    reply.error.reason)
-                continue
-            try:
-                described[site_id_of(reply)] = decode_moments(
-                    dict(reply.content.config_records.get(wire.FEATURE_MOMENTS) or {}), *weight.shape)
-            except ValueError as err:
-                log(WARNING, "round %d calibration: feature moments of site %s dropped: %s", server_round,
-                    site_id_of(reply), err)
+        described = {site_id_of(r): m for r, m in _answered(what, replies, lambda r: decode_moments(
+            dict(r.content.config_records.get(wire.FEATURE_MOMENTS) or {}), *weight.shape))}
         parts, reasons = bounded_moments(described, self._declared_windows())
         for reason in reasons:
             log(WARNING, "round %d calibration: %s", server_round, reason)
@@ -355,30 +348,20 @@ class PhaseController:
         reset_strategy_rows(self.strategy, edited, range(weight.shape[0]))
         return edited
 
-    def _summed_moments(self, server_round: int, replies, num_classes: int, features: int):
+    def _summed_moments(self, server_round: int, parts: list[tuple[Message, Mapping, float]], num_classes: int,
+                        features: int):
         """Under encryption: ``(counts, means, scatter, sites)`` of the sites' moments summed
-        under Paillier (:func:`~fedind.continual.calibration.moments_vector`), or None (logged).
-        One line's record cannot be bounded here; the sum's counts can: a class with more
-        windows than the summed lines declared in training (label histograms plus replay
-        buffers, with 2 % for the weights' rounding) means a forged record, and the head stays."""
-        parts = []
-        for reply in replies:
-            if reply.has_error():
-                log(WARNING, "round %d calibration: node %d failed: %s", server_round, reply.metadata.src_node_id,
-                    reply.error.reason)
-                continue
-            try:
-                parts.append((reply, *_encrypted_record(reply, wire.FEATURE_MOMENTS_ENCRYPTED)))
-            except ValueError as err:
-                log(WARNING, "round %d calibration: feature moments of site %s dropped: %s", server_round,
-                    site_id_of(reply), err)
+        under Paillier (``parts``: reply, payload, windows; :func:`~fedind.continual.calibration.moments_vector`),
+        or None (logged). One line's record cannot be bounded here; the sum's counts can: a
+        class with more windows than the summed lines declared in training (label histograms
+        plus replay buffers, with 2 % for the weights' rounding) means a forged record, and the head stays."""
         size = num_classes * (1 + features + features * (features + 1) // 2)
         summed = self.secure.side_mean(f"round {server_round} calibration", server_round, parts, size)
         if summed is None:
             log(WARNING, "round %d calibration: no summed feature moments; the head stays", server_round)
             return None
         mean, used = summed
-        total = sum(_encrypted_record(r, wire.FEATURE_MOMENTS_ENCRYPTED)[1] for r in used)
+        total = sum(windows for _, _, windows in used)
         try:
             counts, means, scatter = vector_moments(mean, total, num_classes, features)
         except ValueError as err:
@@ -386,7 +369,7 @@ class PhaseController:
             return None
         declared = self._declared_windows()
         limit = np.zeros(num_classes)
-        for reply in used:
+        for reply, _, _ in used:
             line = np.asarray(declared.get(site_id_of(reply), []), dtype=np.float64)[:num_classes]
             limit[: line.size] += line
         over = np.flatnonzero(counts > 1.02 * limit + 1)
@@ -544,6 +527,21 @@ def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
 
 def _numpy(arrays: ArrayRecord) -> dict[str, np.ndarray]:
     return {name: a.numpy() for name, a in arrays.items()}
+
+
+def _answered(what: str, replies, read) -> list[tuple[Message, Any]]:
+    """``(reply, read(reply))`` of the replies to a query; a failed reply, or one whose record
+    ``read`` finds malformed (ValueError), is logged under ``what`` and left out."""
+    out = []
+    for reply in replies:
+        if reply.has_error():
+            log(WARNING, "%s: node %d failed: %s", what, reply.metadata.src_node_id, reply.error.reason)
+            continue
+        try:
+            out.append((reply, read(reply)))
+        except ValueError as err:
+            log(WARNING, "%s: feature moments of site %s dropped: %s", what, site_id_of(reply), err)
+    return out
 
 
 def _encrypted_record(reply: Message, name: str) -> tuple[Mapping, float]:

@@ -374,26 +374,26 @@ class SecureAggregation(Strategy):
         return None
 
     def side_mean(self, what: str, rotation: int, parts: list[tuple[Message, Mapping, float]], count: int
-                  ) -> tuple[np.ndarray, list[Message]] | None:
+                  ) -> tuple[np.ndarray, list[tuple[Message, Mapping, float]]] | None:
         """The weighted mean of the sites' encrypted side vectors (:mod:`fedind.paillier.sums`;
         ``parts``: reply, its payload, its weight such as its windows), decrypted by one of
-        them, and the replies in it; None (logged) when fewer than :data:`MIN_SITES` valid
+        them, and the parts in it; None (logged) when fewer than :data:`MIN_SITES` valid
         payloads came or no site decrypted the sum. A malformed payload is logged and left out."""
-        vectors, weights, used = [], [], []
-        for reply, record, weight in parts:
+        vectors, used = [], []
+        for part in parts:
             try:
-                vectors.append(parse_side(record, self.key, count))
+                vectors.append(parse_side(part[1], self.key, count))
             except CiphertextError as err:
-                log(WARNING, "%s: dropped the encrypted payload of site %s: %s", what, site_id_of(reply), err)
+                log(WARNING, "%s: dropped the encrypted payload of site %s: %s", what, site_id_of(part[0]), err)
                 continue
-            weights.append(weight)
-            used.append(reply)
+            used.append(part)
+        weights = [weight for _, _, weight in used]
         if len(vectors) < MIN_SITES or not sum(weights) > 0:
             log(WARNING, "%s: %d valid encrypted payload(s); a sum of fewer than %d sites is not decrypted "
                 "(it would reveal a site's)", what, len(vectors), MIN_SITES)
             return None
         aggregate = weighted_sum(vectors, integer_weights(weights, SIDE.max_weight), self.key)
-        senders = [(r.metadata.src_node_id, site_id_of(r)) for r in used]
+        senders = [(reply.metadata.src_node_id, site_id_of(reply)) for reply, _, _ in used]
         mean = self._decrypted(what, rotation, aggregate, senders, side=True)
         return None if mean is None else (mean, used)
 
