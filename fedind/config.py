@@ -452,6 +452,12 @@ RECIPE: dict[str, Any] = {
     "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)...
     "ewc_anchor": "global",  # ...held near each round's global model: anchoring at the phase-end model held back a model still learning
     "head_calibration": True,  # after the last round the head is refit on virtual features from the lines' feature moments (CCVR)
+    # with encryption = "paillier": twice the announced set in 12-bit slots, for the bytes of the 24-bit
+    # layout's 4.5 % (+2.3 points on the plant's seeds 0-4 at alpha 0.3; docs/benchmarks/sparse-paillier.md)
+    "paillier_set_ratio": 0.09,
+    "paillier_value_bits": 3,
+    "paillier_weight_bits": 7,
+    "paillier_clip": 0.1,
     # the plant scenario: two phases, half the lines change speed, a new fault class at one line
     "phases": 2,
     "phase_rounds": 20,
