@@ -33,7 +33,7 @@ import csv
 import io
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from logging import INFO, WARNING
 from pathlib import Path
 
@@ -65,6 +65,9 @@ from ..models import FaultCNN
 from .pipeline import ReplyPipeline
 from .screening import InvalidUpdate, check_histogram
 from .strategies import grow_strategy_classes, reset_strategy_rows
+
+if TYPE_CHECKING:  # the encrypted strategy, only where a run is encrypted
+    from .encrypted import SecureAggregation
 
 MAX_CLASSES = 4096  # a classes-seen claim above this is ignored (logged): the head cannot grow without bound
 
@@ -100,7 +103,7 @@ class PhaseController:
         folder: Path,
         run_config_json: str,
         pipeline: ReplyPipeline | None = None,
-        secure: "SecureAggregation | None" = None,
+        secure: SecureAggregation | None = None,
     ) -> None:
         if len(test_sets) != config.phases:
             raise ValueError(f"expected {config.phases} phase test sets, got {len(test_sets)}")
