@@ -195,6 +195,13 @@ def dwa_weights(
     return _apply_floor(w, floor * (n / n.sum()))
 
 
+def padded_histogram_state(state: Mapping, num_classes: int) -> dict:
+    """A :meth:`GlobalHistogram.state_dict` grown to ``num_classes`` (the head grew): every
+    site's counts padded with zeros for the new classes."""
+    return {"num_classes": num_classes,
+            "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in state["sites"].items()}}
+
+
 def class_row_scales(weights, histograms) -> np.ndarray:
     r"""Per site and class, the factor that turns the site-weighted mean of a head row into
     a mean over the sites that hold the class; shape ``[sites, classes]``.

@@ -20,7 +20,7 @@ from ..config import RunConfig
 from .keys import KeyFileError, PrivateKey, load_private_key
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT
 from .sparse import SetFeedback, head_rows, indices_from_bytes, set_digest
-from .sums import SIDE_SUM, encrypt_side, flatten
+from .sums import SIDE_SUM, encrypt_side
 from .packing import (
     MIN_SITES,
     SIDE,
@@ -117,13 +117,6 @@ def encrypted_side(context: Context, config: RunConfig, values: np.ndarray) -> t
     ConfigRecord and how many values were clipped; KeyFileError when the site has no key."""
     record, clipped = encrypt_side(values, site_private_key(context, config))
     return ConfigRecord(record), clipped
-
-
-def encrypted_fisher(context: Context, config: RunConfig, fisher: Mapping, arrays: Mapping) -> tuple[ConfigRecord, int]:
-    """The site's Fisher over the model's arrays (``arrays``: name -> Array), flat in their
-    sorted-name order, encrypted as a side vector."""
-    shapes = {name: tuple(a.shape) for name, a in arrays.items()}
-    return encrypted_side(context, config, flatten(fisher, shapes))
 
 
 def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:

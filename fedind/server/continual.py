@@ -553,11 +553,16 @@ def _encrypted_record(reply: Message, name: str) -> tuple[Mapping, float]:
     record = reply.content.config_records.get(name)
     if record is None:
         raise ValueError(f"no {name!r} record")
+    return record, _num_examples(reply)
+
+
+def _num_examples(reply: Message) -> float:
+    """A phase-end or calibration reply's ``num-examples`` (ValueError unless a positive number)."""
     metrics = next(iter(reply.content.metric_records.values()), {})
     n = metrics.get(wire.NUM_EXAMPLES)
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not (math.isfinite(n) and n > 0):
         raise ValueError(f"{wire.NUM_EXAMPLES} = {n!r}")
-    return record, float(n)
+    return float(n)
 
 
 def _read_fisher(reply: Message, arrays: ArrayRecord) -> tuple[dict[str, np.ndarray], float]:
@@ -565,10 +570,7 @@ def _read_fisher(reply: Message, arrays: ArrayRecord) -> tuple[dict[str, np.ndar
     records = reply.content.array_records
     if wire.EWC_FISHER not in records:
         raise ValueError(f"no {wire.EWC_FISHER!r} record")
-    metrics = next(iter(reply.content.metric_records.values()), {})
-    n = metrics.get(wire.NUM_EXAMPLES)
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or not (math.isfinite(n) and n > 0):
-        raise ValueError(f"{wire.NUM_EXAMPLES} = {n!r}")
+    n = _num_examples(reply)
     fisher = {}
     for name, array in records[wire.EWC_FISHER].items():
         if name not in arrays:
@@ -581,4 +583,4 @@ def _read_fisher(reply: Message, arrays: ArrayRecord) -> tuple[dict[str, np.ndar
         fisher[name] = value
     if not fisher:
         raise ValueError("empty Fisher")
-    return fisher, float(n)
+    return fisher, n

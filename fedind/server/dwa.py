@@ -46,7 +46,7 @@ from ..aggregation.conflicts import (
     sign_agreement,
 )
 from ..aggregation.robust import CenteredClipping
-from ..aggregation.weighting import class_row_scales, scale_rows, GlobalHistogram, dwa_weights
+from ..aggregation.weighting import class_row_scales, scale_rows, GlobalHistogram, dwa_weights, padded_histogram_state
 
 # DWA reads the number of classes from HEAD_WEIGHT ([num_classes, features]) when none is given.
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT
@@ -127,6 +127,8 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         As :class:`flwr.serverapp.strategy.FedAvg`. Records use the keys of
         :mod:`fedind.wire`.
     """
+
+    follows_grown_head = True  # fedind.server.strategies.edit_strategy_state: its label histograms grow with the head
 
     # pylint: disable=too-many-arguments
     def __init__(
@@ -242,10 +244,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         state = self.state_dict()
         histogram = state["global_histogram"]
         if histogram is not None and num_classes is not None:
-            histogram = {
-                "num_classes": num_classes,
-                "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in histogram["sites"].items()},
-            }
+            histogram = padded_histogram_state(histogram, num_classes)
         state = {
             "global_histogram": histogram,
             "momentum": {"buffers": edit(state["momentum"]["buffers"])},

@@ -48,7 +48,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from .. import wire
-from ..aggregation.weighting import GlobalHistogram, dwa_weights
+from ..aggregation.weighting import GlobalHistogram, dwa_weights, padded_histogram_state
 from ..config import DWA_STRATEGIES, ConfigError, RunConfig
 from ..paillier.keys import KeyFileError, PublicKey, load_public_key
 from ..paillier.packing import (
@@ -56,7 +56,7 @@ from ..paillier.packing import (
 )
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT
 from ..paillier.sparse import SET_RULES, announced_set, head_rows, indices_to_bytes, set_digest
-from ..paillier.sums import SIDE_SUM, parse_side
+from ..paillier.sums import SIDE_SUM, flatten, parse_side, unflatten
 from .metering import site_id_of
 from ..topk.selection import warmup_ratio
 from .pipeline import Rejected, ReplyPipeline, SiteUpdate, decode_reply, update_of
@@ -92,7 +92,11 @@ class SparseRounds:
 
 def flat_model(arrays: ArrayRecord) -> np.ndarray:
     """All arrays, sorted by name, flattened (float64): the order the sites encrypt in."""
-    return np.concatenate([np.asarray(arrays[name].numpy(), np.float64).ravel() for name in sorted(arrays)])
+    return flatten({name: a.numpy() for name, a in arrays.items()}, _shapes(arrays))
+
+
+def _shapes(arrays: ArrayRecord) -> dict[str, tuple]:
+    return {name: tuple(a.shape) for name, a in arrays.items()}
 
 
 class SecureAggregation(Strategy):
@@ -177,8 +181,7 @@ class SecureAggregation(Strategy):
         """Flat indices of the young classes' head rows and the class of each (none: empty)."""
         if self.holder_rows_from is None:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        shapes = {name: tuple(arrays[name].shape) for name in arrays}
-        return head_rows(shapes, (HEAD_WEIGHT, HEAD_BIAS), self.holder_rows_from)
+        return head_rows(_shapes(arrays), (HEAD_WEIGHT, HEAD_BIAS), self.holder_rows_from)
 
     def _announce(self, server_round: int, arrays: ArrayRecord) -> ConfigRecord:
         """The round's coordinate set (from the last global change and the seed only)."""
@@ -266,12 +269,9 @@ class SecureAggregation(Strategy):
             return
         self.num_classes = num_classes
         if self.global_histogram is not None:
-            state = self.global_histogram.state_dict()
-            self.global_histogram = GlobalHistogram(num_classes)
-            self.global_histogram.load_state_dict({
-                "num_classes": num_classes,
-                "sites": {s: list(h) + [0] * (num_classes - len(h)) for s, h in state["sites"].items()},
-            })
+            grown = GlobalHistogram(num_classes)
+            grown.load_state_dict(padded_histogram_state(self.global_histogram.state_dict(), num_classes))
+            self.global_histogram = grown
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)
@@ -414,12 +414,9 @@ class SecureAggregation(Strategy):
         """One reply holding ``w_global + mean``, the summed num-examples and the scalar
         metrics every site sent, averaged by num-examples (as Flower's FedAvg)."""
         current = {name: self.arrays[name].numpy() for name in self.arrays}
-        arrays, offset = {}, 0
-        for name in sorted(current):
-            size = current[name].size
-            step = mean[offset : offset + size].reshape(current[name].shape)
-            arrays[name] = Array((current[name].astype(np.float64) + step).astype(current[name].dtype))
-            offset += size
+        steps = unflatten(mean, _shapes(self.arrays))
+        arrays = {name: Array((value.astype(np.float64) + steps[name]).astype(value.dtype))
+                  for name, value in current.items()}
         keys = set.intersection(*({k for k, v in u.metrics.items() if not isinstance(v, list)} for u in updates))
         records = [RecordDict({wire.METRICS: MetricRecord({k: u.metrics[k] for k in keys})}) for u in updates]
         metrics = aggregate_metricrecords(records, wire.NUM_EXAMPLES)

@@ -247,7 +247,7 @@ def edit_strategy_state(strategy: Strategy, arrays: ArrayRecord, edit: Edit | No
     and ``edit`` (None: leave it) maps its cross-round state aligned with the arrays;
     ``num_classes``: the head grew (DWA pads its label histograms). A strategy that keeps
     state and has no such method is a ValueError (RunConfig refuses such combinations)."""
-    if isinstance(strategy, DWA) or getattr(strategy, "follows_grown_head", False):  # DWA, SecureAggregation
+    if getattr(strategy, "follows_grown_head", False):  # DWA, SecureAggregation: their label histograms grow too
         strategy.follow_global_model(arrays, edit, num_classes)
     elif isinstance(strategy, _Typed):
         strategy.follow_global_model(arrays, edit)

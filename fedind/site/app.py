@@ -264,14 +264,13 @@ def phase_end(msg: Message, context: Context) -> Message:
         fisher = diagonal_fisher(model, data, device, seed=seed % 2**31)
         fisher, _ = focus(fisher, fisher, config.ewc_keep)  # the server keeps that share of the sum too
         if config.encryption == "paillier":  # summed under encryption: the server never sees one site's Fisher
-            from ..paillier.keys import KeyFileError
-            from ..paillier.site import encrypted_fisher
+            from ..paillier.sums import flatten
 
-            try:
-                content[wire.EWC_FISHER_ENCRYPTED], metrics[wire.CLIPPED_VALUES] = encrypted_fisher(
-                    context, config, fisher, msg.content[wire.ARRAYS])
-            except KeyFileError as err:
-                return Message(Error(code=wire.SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+            shapes = {name: tuple(a.shape) for name, a in msg.content[wire.ARRAYS].items()}
+            refused = _encrypt_side(msg, context, config, flatten(fisher, shapes), content, wire.EWC_FISHER_ENCRYPTED,
+                                    metrics)
+            if refused is not None:
+                return refused
         else:
             content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
     content[wire.METRICS] = metrics
@@ -298,17 +297,28 @@ def calibrate(msg: Message, context: Context) -> Message:
         wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: int(moments.counts.sum())}),
     })
     if config.encryption == "paillier":  # summed under encryption (fedind.paillier.sums)
-        from ..paillier.keys import KeyFileError
-        from ..paillier.site import encrypted_side
-
-        try:
-            content[wire.FEATURE_MOMENTS_ENCRYPTED], content[wire.METRICS][wire.CLIPPED_VALUES] = encrypted_side(
-                context, config, moments_vector(moments, model.head.out_features))
-        except KeyFileError as err:
-            return Message(Error(code=wire.SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+        refused = _encrypt_side(msg, context, config, moments_vector(moments, model.head.out_features), content,
+                                wire.FEATURE_MOMENTS_ENCRYPTED, content[wire.METRICS])
+        if refused is not None:
+            return refused
     else:
         content[wire.FEATURE_MOMENTS] = ConfigRecord(encode_moments(moments))
     return Message(content=content, reply_to=msg)
+
+
+def _encrypt_side(msg: Message, context: Context, config: RunConfig, values: np.ndarray, content: RecordDict,
+                  name: str, metrics: MetricRecord) -> Message | None:
+    """A side vector (fedind.paillier.sums) encrypted into ``content[name]``, its clipped
+    values counted in ``metrics``; the error reply when the site has no key (None otherwise).
+    The crypto stack is imported here, only for encrypted runs."""
+    from ..paillier.keys import KeyFileError
+    from ..paillier.site import encrypted_side
+
+    try:
+        content[name], metrics[wire.CLIPPED_VALUES] = encrypted_side(context, config, values)
+    except KeyFileError as err:
+        return Message(Error(code=wire.SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
+    return None
 
 
 def paillier_mod(msg: Message, context: Context, call_next) -> Message:
