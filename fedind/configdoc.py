@@ -55,6 +55,7 @@ PAGES: tuple[tuple[str, str], ...] = (
     ("cclip-", "screening.md"),
     ("alignment-threshold", "screening.md"),
     ("consensus-threshold", "screening.md"),
+    ("norm-clip", "screening.md"),
     ("compression", "compression.md"),
     ("topk-", "compression.md"),
     ("downlink", "compression.md"),

@@ -49,9 +49,8 @@ update is at least half the median), ``signflip1`` (a plain reversed update of o
 norm: never rejected by the norm rule) and ``signflip4`` (reversed and boosted: passes under 10x the
 median, scaled down between 10x and 50x; the label-alignment rule reads the direction,
 not the norm, so to it signflip4 looks as signflip1 does). In the table, "rejected" counts every failed
-reply, so an ``absent`` site's 80 error replies are in it. ``--clip-ratio c`` runs the
-server's screen with its norm clip at ``c`` times the round's median
-(``fedind.server.screening``; off by default).
+reply, so an ``absent`` site's 80 error replies are in it. The screen's norm clip is the run
+config's ``norm-clip`` (``norm-clip=0`` runs without it).
 
 Writes OUT/{results.json,table.md,poisoning.png}; each run's folder is
 OUT/runs/<strategy>-<attack>-seed<N> (with ``norms.csv``: every reply's update norm, its
@@ -369,20 +368,14 @@ def peer_cosines(deltas: Sequence[np.ndarray], histograms: Sequence[Sequence[flo
     return out
 
 
-def recording_screen(
-    rows: list[dict], clip_ratio: float | None = None, collusion: tuple[Attack, set[str]] | None = None
-) -> type[UpdateScreen]:
+def recording_screen(rows: list[dict], collusion: tuple[Attack, set[str]] | None = None) -> type[UpdateScreen]:
     """The server's :class:`UpdateScreen`, also appending to ``rows`` every train reply's
     update norm, its ratio to the round's median norm, its cosine to the coordinate-wise
-    median update of the round and whether the screen rejected it. ``clip_ratio``: when
-    set, the screen's norm clip at that ratio (else the server's default). ``collusion``:
+    median update of the round and whether the screen rejected it. ``collusion``:
     ``(attack, attacker site ids)`` of a colluding attack, applied to the updates before
     the rules (:func:`collude`)."""
 
     class RecordingScreen(UpdateScreen):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **({"clip_ratio": clip_ratio} | kwargs if clip_ratio is not None else kwargs))
-
         def rules(self, updates: list) -> dict:
             if collusion is not None:
                 collude(updates, *collusion)
@@ -429,8 +422,7 @@ def recording_screen(
 
 
 def measure(
-    config, attack: Attack | None, sites: tuple[int, ...], name: str, out: Path, clip_ratio: float | None = None,
-    runtime: str = "ray",
+    config, attack: Attack | None, sites: tuple[int, ...], name: str, out: Path, runtime: str = "ray"
 ) -> dict:
     """One run's figures (running it unless its results exist); the run's folder also gets
     ``norms.csv``: every train reply's update norm, its ratio to the round's median and its
@@ -447,7 +439,7 @@ def measure(
         load = fedind.site.app.load_site_data
         if attack is not None and attack.kind == "labelflip":
             load = relabelled(load, sites, int(attack.strength))
-        with mock.patch.object(fedind.server.app, "UpdateScreen", recording_screen(norms, clip_ratio, collusion)), \
+        with mock.patch.object(fedind.server.app, "UpdateScreen", recording_screen(norms, collusion)), \
                 mock.patch.object(fedind.site.app, "load_site_data", load):
             simulate(replace(config, run_dir=str(out / "runs"), run_name=name), client_app=app, runtime=runtime)
         with open(folder / "norms.csv", "w", newline="") as f:
@@ -479,8 +471,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--attacks", nargs="+", default=["scale10", "scale100", "signflip1", "signflip4"])
     parser.add_argument("--sites", type=int, nargs="+", default=[0], help="partition ids of the attacked sites")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--clip-ratio", type=float, default=None,
-                        help="run the server's screen with this norm clip (fedind.server.screening; default: the server's)")
     parser.add_argument("--runtime", default="ray", help="fedind.simulation runtime: ray or loopback (one process)")
     parser.add_argument("--out", default="runs/poisoning")
     parser.add_argument("--no-run", action="store_true", help="tabulate the finished runs only, run nothing")
@@ -512,14 +502,14 @@ def main(argv: list[str]) -> None:
         for strategy, attack in order:
             name = f"{strategy}-{attack}-seed{seed}"
             config = replace(base, strategy=strategy, seed=seed)
-            figures = measure(config, attacks[attack], sites, name, out, args.clip_ratio, args.runtime)
+            figures = measure(config, attacks[attack], sites, name, out, args.runtime)
             runs.setdefault((strategy, attack), []).append({"seed": seed, **figures})
             print(f"{name}: final {figures['final_accuracy']:.4f}, rejected {figures['rejected']}", flush=True)
 
     results = [_summarise(s, a, r, runs, reference) for (s, a), r in runs.items() if s in strategies]
     strategies = [s for s in strategies if any(r["strategy"] == s for r in results)]
     share = _attacked_share(base, sites)
-    table = _table(results, base, args.seeds, sites, share, args.clip_ratio, reference)
+    table = _table(results, base, args.seeds, sites, share, reference)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(
         json.dumps(
@@ -529,7 +519,7 @@ def main(argv: list[str]) -> None:
                 "attacks": list(attacks),
                 "attacked_sites": list(sites),
                 "attacked_share_of_examples": share,
-                "clip_ratio": args.clip_ratio,
+                "norm_clip": base.norm_clip,
                 "seeds": args.seeds,
                 "results": [{k: v for k, v in r.items() if k != "curve"} for r in results],
                 "runs": {f"{s}/{a}": r for (s, a), r in runs.items()},
@@ -577,11 +567,12 @@ def _attacked_share(config, sites: tuple[int, ...]) -> float | None:
 
 
 def _table(
-    results: list[dict], base, seeds: list[int], sites: tuple[int, ...], share: float | None, clip: float | None,
+    results: list[dict], base, seeds: list[int], sites: tuple[int, ...], share: float | None,
     reference: str,
 ) -> str:
     held = f" ({100 * share:.1f} % of the training windows)" if share is not None else ""
-    clipped = f" Screen with norm clip at {clip:g}x the round's median." if clip is not None else ""
+    clipped = (f" Screen's norm clip at {base.norm_clip:g}x the round's median update norm." if base.norm_clip > 0
+               else " No norm clip.")
     lines = [
         f"{base.num_server_rounds} rounds, {base.num_sites} sites, Dirichlet alpha {base.dirichlet_alpha}, "
         f"seeds {', '.join(map(str, seeds))}; attacked site(s) {', '.join(map(str, sites))}{held}, every round. "

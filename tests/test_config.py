@@ -47,11 +47,18 @@ def test_round_trip_through_flower_keys():
         ("conflict-threshold", 2.0),
         ("topk-gain", 0.0),
         ("topk-gain", float("nan")),
+        ("norm-clip", 0.5),
+        ("norm-clip", float("inf")),
     ],
 )
 def test_invalid_values_name_the_key(key, value):
     with pytest.raises(ConfigError, match=key):
         RunConfig.from_flower({key: value})
+
+
+def test_norm_clip_reaches_the_screen_and_zero_turns_it_off():
+    assert RunConfig(norm_clip=1.5).screen_rules["clip_ratio"] == 1.5
+    assert RunConfig(norm_clip=0.0).screen_rules["clip_ratio"] is None
 
 
 def test_unknown_key_is_an_error():

@@ -54,19 +54,17 @@ for every strategy — Flower's or fedind's):
    ``min_ratio`` or ``count_rule=False``.
 
 4. **Norm clip** (:func:`clip_factors`, per round, after the rules above; ``clip_ratio``
-   :math:`c`, off when None): every accepted update longer than :math:`c` times the
-   round's median norm :math:`M` (the median of rule 2, over the structurally valid
-   replies) is scaled down to that length, the site's reply becoming
+   :math:`c`, the run config's ``norm-clip``, off when None): every accepted update longer
+   than :math:`c` times the round's median norm :math:`M` (the median of rule 2, over the
+   structurally valid replies) is scaled down to that length, the site's reply becoming
    :math:`g + d_i \min(1,\, c M / \lVert d_i \rVert)`. Rule 2 only bounds updates far
    out (10x and more); the clip bounds what any accepted site can move the model by to
    :math:`c` honest-sized steps (norm bounding, as in Sun et al. 2019, "Can you really
    backdoor federated learning?"). It keeps the direction, so it only limits, never
-   removes, an update pointing the wrong way. Off in the server (``simulations/poisoning.py
-   --clip-ratio``, default scenario, seed 0, FedAvgM): honest updates reach 3.5x their
-   round's median and the long ones carry information, so the clip costs clean accuracy
-   (0.805 -> 0.788 at c = 2, 0.767 at c = 1), and against a site sending its reversed
-   update every round it recovers part of the loss only (0.600 -> 0.740 at c = 2, 0.733
-   at c = 1).
+   removes, an update pointing the wrong way. Off by default: honest updates of the
+   recipe pass 1.5x their round's median in 5 % of replies, and the long ones carry
+   information, so at c = 1.5 it cost clean runs 0.6 to 2.1 points (poisoning benchmark,
+   selection seeds 1-3; docs/benchmarks/poisoning.md).
 
 5. **Label alignment** (:func:`label_alignment`, per site across rounds; ``alignment_threshold``,
    the run config's ``alignment-threshold``, default -0.4 in the server): the correlation
