@@ -257,3 +257,20 @@ def test_labelflip_relabels_one_class_as_healthy_at_the_attacked_sites_only():
     load = relabelled(lambda context, config, phase=0: data, sites=(0,), target=2)
     assert load(_context(0), None).train.y.tolist() == [0, 1, 0, 0, 3]
     assert load(_context(3), None).train.y.tolist() == [0, 1, 2, 2, 3]
+
+
+def test_the_summary_measures_an_attack_against_the_clean_and_the_absent_runs_seed_by_seed():
+    from simulations.poisoning import _summarise
+
+    def runs(*finals):
+        return [{"seed": s, "final_accuracy": f, "best_accuracy": f, "rejected": 0, "rounds": 1, "curve": [f], "recall": [f]}
+                for s, f in enumerate(finals)]
+
+    grid = {("fedind", "clean"): runs(0.90, 0.80), ("fedind", "absent"): runs(0.88, 0.70),
+            ("fedind", "minmax"): runs(0.86, 0.70)}
+    attacked = _summarise("fedind", "minmax", grid[("fedind", "minmax")], grid, "fedind")
+    assert attacked["drop_vs_clean"] == pytest.approx(0.07)  # (0.04 + 0.10) / 2
+    assert attacked["drop_vs_absent"] == pytest.approx(0.01)  # (0.02 + 0.00) / 2: beyond losing the line
+    assert _summarise("fedind", "absent", grid[("fedind", "absent")], grid, "fedind")["drop_vs_absent"] is None
+    del grid[("fedind", "absent")]
+    assert _summarise("fedind", "minmax", grid[("fedind", "minmax")], grid, "fedind")["drop_vs_absent"] is None
