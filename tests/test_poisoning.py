@@ -274,3 +274,21 @@ def test_the_summary_measures_an_attack_against_the_clean_and_the_absent_runs_se
     assert _summarise("fedind", "absent", grid[("fedind", "absent")], grid, "fedind")["drop_vs_absent"] is None
     del grid[("fedind", "absent")]
     assert _summarise("fedind", "minmax", grid[("fedind", "minmax")], grid, "fedind")["drop_vs_absent"] is None
+
+
+def test_the_trimmed_calibration_merge_leaves_out_the_farthest_line_of_a_widely_held_class_only():
+    from fedind.continual.calibration import ClassMoments
+    from simulations.labelflip_calibration import gaps, trimmed
+
+    eye = np.eye(2)[None]
+    def part(classes, means):
+        return ClassMoments(np.array(classes), np.full(len(classes), 10), np.array(means, float), np.repeat(eye, len(classes), 0))
+
+    near = [part([0, 1], [[0.0, 0.0], [5.0, 5.0]]) for _ in range(4)]
+    far = part([0, 1], [[9.0, 0.0], [5.0, 5.0]])  # its class 0 lies far from everyone else's
+    distance = gaps(near + [far], 0)
+    assert max(distance, key=distance.get) == 4 and distance[4] == pytest.approx(9.0 / np.sqrt(2))
+    kept = trimmed(near + [far], 2)
+    assert sum(0 in p.classes for p in kept) == 4 and sum(1 in p.classes for p in kept) == 4  # one line per class out
+    assert 0 not in kept[-1].classes  # the far line keeps its class 1 but not its class 0
+    assert len(trimmed(near[:3] + [far], 2)) == 4  # four holders: fewer than five, nothing left out

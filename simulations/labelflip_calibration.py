@@ -1,0 +1,163 @@
+"""Where a mislabelling line's harm lands: a poisoning run's class recall before and after the
+head calibration of its last round, and that calibration redone with other merges of the
+lines' feature moments (docs/benchmarks/poisoning.md, "Where the targeted attack lands").
+
+    python simulations/labelflip_calibration.py runs/q35-ev/runs/fedind-labelflip1-seed6
+    python simulations/labelflip_calibration.py runs/q35-base/runs/fedind-clean-seed0 --relabel 1
+
+The folder is one run of ``simulations/poisoning.py`` (pyproject's configuration, its seed
+read from the name). The run's last two checkpoints give the model before calibration (round
+39's head) and the calibrated one (round 40); the calibration is then redone on round 40's
+body, with each line's moments recomputed from its phase-1 training windows (without its
+replay buffer: the calibration itself adds those), line 0's class ``--relabel`` labelled
+healthy (``labelflip`` runs: the attacked class, automatically), under three merges:
+
+- ``merged``: fedind's (one Gaussian per class, :func:`fedind.continual.calibration.merge_moments`);
+- ``trimmed``: per class held by five lines or more, the line whose class mean lies farthest
+  from the other lines' pooled mean (in within-class radii) is left out;
+- ``mixture``: each class's virtual features drawn from its lines' own Gaussians, split by
+  their windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from simulations.common import parse_overrides  # noqa: E402
+from fedind.continual import calibration as cal  # noqa: E402
+from fedind.data.format import SiteArrays  # noqa: E402
+from fedind.data.sources import phase_test_set, site_from_partition  # noqa: E402
+from fedind.models import FaultCNN  # noqa: E402
+from fedind.server.checkpoint import CheckpointStore  # noqa: E402
+from fedind.training import evaluate, window_features  # noqa: E402
+
+MERGES = ("merged", "trimmed", "mixture")
+MIN_HOLDERS = 5  # trimmed: classes held by fewer lines are merged as they are
+
+
+def gaps(parts: list[cal.ClassMoments], c: int) -> dict[int, float]:
+    """Per line holding class ``c``: its class mean's distance to the other lines' pooled
+    mean, over the root mean trace of the lines' class covariances (the within-class radius)."""
+    holders = {i: int(np.flatnonzero(p.classes == c)[0]) for i, p in enumerate(parts) if c in p.classes}
+    radius = np.sqrt(np.mean([np.trace(parts[i].covariances[j]) for i, j in holders.items()]))
+    out = {}
+    for i, j in holders.items():
+        others = [(parts[k].counts[m], parts[k].means[m]) for k, m in holders.items() if k != i]
+        pooled = sum(n * mu for n, mu in others) / sum(n for n, _ in others)
+        out[i] = float(np.linalg.norm(parts[i].means[j] - pooled) / radius)
+    return out
+
+
+def trimmed(parts: list[cal.ClassMoments], num_classes: int) -> list[cal.ClassMoments]:
+    """``parts`` without, per class of :data:`MIN_HOLDERS` holders or more, the farthest line's part."""
+    left_out = {i: set() for i in range(len(parts))}
+    for c in range(num_classes):
+        distance = gaps(parts, c) if sum(c in p.classes for p in parts) >= MIN_HOLDERS else {}
+        if distance:
+            left_out[max(distance, key=distance.get)].add(c)
+    kept = []
+    for i, p in enumerate(parts):
+        keep = np.array([c not in left_out[i] for c in p.classes], dtype=bool)
+        if keep.any():
+            kept.append(cal.ClassMoments(p.classes[keep], p.counts[keep], p.means[keep], p.covariances[keep]))
+    return kept
+
+
+def virtual_features(parts, num_classes: int, merge: str, rng) -> tuple[np.ndarray, np.ndarray]:
+    """:data:`cal.SAMPLES_PER_CLASS` virtual features per class, drawn as ``merge`` says."""
+    counts, means, scatter = cal.merge_moments(trimmed(parts, num_classes) if merge == "trimmed" else parts,
+                                               num_classes)
+    covariances, f = cal.shrunk_covariances(counts, scatter), means.shape[1]
+    pooled = scatter.sum(axis=0) / counts.sum()
+    ridge = cal.RIDGE * float(np.mean([np.trace(covariances[c]) / f for c in np.flatnonzero(counts)]))
+
+    def draw(mean, covariance, n):
+        values, vectors = np.linalg.eigh((covariance + covariance.T) / 2)
+        return mean + rng.standard_normal((n, f)) @ (vectors * np.sqrt(np.maximum(values, ridge))).T
+
+    zs, ys = [], []
+    for c in np.flatnonzero(counts):
+        if merge != "mixture":
+            components = [(cal.SAMPLES_PER_CLASS, means[c], covariances[c])]
+        else:  # each line's Gaussian, its covariance shrunk to the pooled one as merge_moments' are
+            own = [(p.counts[j], p.means[j], p.covariances[j]) for p in parts for j in np.flatnonzero(p.classes == c)]
+            total = sum(n for n, _, _ in own)
+            components = [(max(1, round(cal.SAMPLES_PER_CLASS * n / total)), mu, (n * cov + f * pooled) / (n + f))
+                          for n, mu, cov in own]
+        for n, mean, covariance in components:
+            zs.append(draw(mean, covariance, n))
+            ys.append(np.full(n, c))
+    return np.concatenate(zs), np.concatenate(ys)
+
+
+def refit(weight: np.ndarray, bias: np.ndarray, z: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The head refit on virtual features as :func:`fedind.continual.calibration.calibrate_head` does."""
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0])
+    with torch.no_grad():
+        head.weight.copy_(torch.as_tensor(weight))
+        head.bias.copy_(torch.as_tensor(bias))
+    features, labels = torch.as_tensor(z, dtype=torch.float32), torch.as_tensor(y)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.SGD(head.parameters(), lr=cal.LEARNING_RATE, momentum=cal.MOMENTUM)
+    for _ in range(cal.STEPS):
+        batch = torch.randint(0, len(labels), (cal.BATCH,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(head(features[batch]), labels[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.weight.detach().numpy(), head.bias.detach().numpy()
+
+
+def recall_summary(arrays: dict, test: SiteArrays, target: int) -> str:
+    model = FaultCNN.from_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+    confusion = evaluate(model, test, torch.device("cpu")).confusion
+    recall = np.diag(confusion) / np.maximum(confusion.sum(axis=1), 1)
+    return (f"accuracy {100 * np.trace(confusion) / confusion.sum():.1f} %, class {target} recall {recall[target]:.2f}, "
+            f"called healthy {confusion[target, 0] / confusion[target].sum():.2f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="one run folder of simulations/poisoning.py")
+    parser.add_argument("--relabel", type=int, default=None, help="line 0's class called healthy (default: a "
+                        "labelflip run's class, else none)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    match = re.fullmatch(r".*?-(?:labelflip(\d+)|[a-z0-9.]+)-seed(\d+)", args.run.name)
+    if match is None:
+        raise SystemExit(f"{args.run}: not a poisoning run folder (<strategy>-<attack>-seed<N>)")
+    relabel = args.relabel if args.relabel is not None else (int(match.group(1)) if match.group(1) else None)
+    config = parse_overrides([f"seed={match.group(2)}"])
+    store = CheckpointStore(args.run / "checkpoints")
+    before, after = store.load(config.num_server_rounds - 1).arrays, store.load(config.num_server_rounds).arrays
+    num_classes = after["head.bias"].shape[0]
+    sets = [phase_test_set(config.drift_spec(), config.data_root, q) for q in range(config.phases)]
+    x, y = np.concatenate([t.x for t in sets]), np.concatenate([t.y for t in sets])
+    test, target = SiteArrays(x[y < num_classes], y[y < num_classes]), relabel if relabel is not None else 1
+    print(f"{args.run.name}: before calibration {recall_summary(before, test, target)}")
+    print(f"{args.run.name}: after calibration  {recall_summary(after, test, target)}")
+    body = FaultCNN.from_state_dict({k: torch.from_numpy(np.array(v)) for k, v in after.items()}).eval()
+    parts = []
+    for line in range(config.num_sites):
+        site = site_from_partition(config.drift_spec(), config.data_root, line, config.num_sites, 1)
+        known = site.train.y < num_classes
+        labels = site.train.y[known]
+        if line == 0 and relabel is not None:
+            labels = np.where(labels == relabel, 0, labels)
+        parts.append(cal.class_moments(window_features(body, site.train.x[known], torch.device("cpu")), labels))
+    seed = config.seed * 1_000_003 + config.num_server_rounds  # the server's calibration seed
+    for merge in MERGES:
+        z, labels = virtual_features(parts, num_classes, merge, np.random.default_rng(seed))
+        weight, bias = refit(before["head.weight"], before["head.bias"], z, labels, seed)
+        print(f"{args.run.name}: redone, {merge:8s}  {recall_summary({**after, 'head.weight': weight, 'head.bias': bias}, test, target)}")
+
+
+if __name__ == "__main__":
+    main()
