@@ -16,7 +16,11 @@ healthy (``labelflip`` runs: the attacked class, automatically), under three mer
 - ``trimmed``: per class held by five lines or more, the line whose class mean lies farthest
   from the other lines' pooled mean (in within-class radii) is left out;
 - ``mixture``: each class's virtual features drawn from its lines' own Gaussians, split by
-  their windows.
+  their windows;
+- ``consistent``: a line's part of a class is left out when its mean lies nearer another
+  class's pooled mean of the other lines than its own class's (Mahalanobis distance under
+  the other lines' pooled within-class covariance): features that the rest of the
+  federation reads as another class.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from fedind.models import FaultCNN  # noqa: E402
 from fedind.server.checkpoint import CheckpointStore  # noqa: E402
 from fedind.training import evaluate, window_features  # noqa: E402
 
-MERGES = ("merged", "trimmed", "mixture")
+MERGES = ("merged", "trimmed", "mixture", "consistent")
 MIN_HOLDERS = 5  # trimmed: classes held by fewer lines are merged as they are
 
 
@@ -70,10 +74,28 @@ def trimmed(parts: list[cal.ClassMoments], num_classes: int) -> list[cal.ClassMo
     return kept
 
 
+def consistent(parts: list[cal.ClassMoments], num_classes: int) -> list[cal.ClassMoments]:
+    """``parts`` without the class parts that the other lines' Gaussians read as another class."""
+    kept = []
+    for i, p in enumerate(parts):
+        counts, means, scatter = cal.merge_moments([q for k, q in enumerate(parts) if k != i], num_classes)
+        pooled = scatter.sum(axis=0) / counts.sum()
+        inverse = np.linalg.inv(pooled + 1e-3 * np.trace(pooled) / len(pooled) * np.eye(len(pooled)))
+        present = np.flatnonzero(counts > 0)
+        keep = np.ones(len(p.classes), dtype=bool)
+        for j, c in enumerate(p.classes):
+            if c in present:
+                gap = means[present] - p.means[j]
+                keep[j] = present[np.argmin(np.einsum("ij,jk,ik->i", gap, inverse, gap))] == c
+        if keep.any():
+            kept.append(cal.ClassMoments(p.classes[keep], p.counts[keep], p.means[keep], p.covariances[keep]))
+    return kept
+
+
 def virtual_features(parts, num_classes: int, merge: str, rng) -> tuple[np.ndarray, np.ndarray]:
     """:data:`cal.SAMPLES_PER_CLASS` virtual features per class, drawn as ``merge`` says."""
-    counts, means, scatter = cal.merge_moments(trimmed(parts, num_classes) if merge == "trimmed" else parts,
-                                               num_classes)
+    chosen = {"trimmed": trimmed, "consistent": consistent}.get(merge)
+    counts, means, scatter = cal.merge_moments(chosen(parts, num_classes) if chosen else parts, num_classes)
     covariances, f = cal.shrunk_covariances(counts, scatter), means.shape[1]
     pooled = scatter.sum(axis=0) / counts.sum()
     ridge = cal.RIDGE * float(np.mean([np.trace(covariances[c]) / f for c in np.flatnonzero(counts)]))
