@@ -93,19 +93,16 @@ def consistent(parts: list[cal.ClassMoments], num_classes: int) -> list[cal.Clas
 
 
 def virtual_features(parts, num_classes: int, merge: str, rng) -> tuple[np.ndarray, np.ndarray]:
-    """:data:`cal.SAMPLES_PER_CLASS` virtual features per class, drawn as ``merge`` says."""
+    """:data:`cal.SAMPLES_PER_CLASS` virtual features per class, drawn as ``merge`` says (with
+    :func:`fedind.continual.calibration.draw_gaussian`, as the server's calibration draws)."""
     chosen = {"trimmed": trimmed, "consistent": consistent}.get(merge)
     counts, means, scatter = cal.merge_moments(chosen(parts, num_classes) if chosen else parts, num_classes)
+    present = np.flatnonzero(counts)
     covariances, f = cal.shrunk_covariances(counts, scatter), means.shape[1]
     pooled = scatter.sum(axis=0) / counts.sum()
-    ridge = cal.RIDGE * float(np.mean([np.trace(covariances[c]) / f for c in np.flatnonzero(counts)]))
-
-    def draw(mean, covariance, n):
-        values, vectors = np.linalg.eigh((covariance + covariance.T) / 2)
-        return mean + rng.standard_normal((n, f)) @ (vectors * np.sqrt(np.maximum(values, ridge))).T
-
+    ridge = cal.sampling_ridge(covariances[present])
     zs, ys = [], []
-    for c in np.flatnonzero(counts):
+    for c in present:
         if merge != "mixture":
             components = [(cal.SAMPLES_PER_CLASS, means[c], covariances[c])]
         else:  # each line's Gaussian, its covariance shrunk to the pooled one as merge_moments' are
@@ -114,27 +111,9 @@ def virtual_features(parts, num_classes: int, merge: str, rng) -> tuple[np.ndarr
             components = [(max(1, round(cal.SAMPLES_PER_CLASS * n / total)), mu, (n * cov + f * pooled) / (n + f))
                           for n, mu, cov in own]
         for n, mean, covariance in components:
-            zs.append(draw(mean, covariance, n))
+            zs.append(cal.draw_gaussian(rng, mean, covariance, n, ridge))
             ys.append(np.full(n, c))
     return np.concatenate(zs), np.concatenate(ys)
-
-
-def refit(weight: np.ndarray, bias: np.ndarray, z: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The head refit on virtual features as :func:`fedind.continual.calibration.calibrate_head` does."""
-    head = torch.nn.Linear(weight.shape[1], weight.shape[0])
-    with torch.no_grad():
-        head.weight.copy_(torch.as_tensor(weight))
-        head.bias.copy_(torch.as_tensor(bias))
-    features, labels = torch.as_tensor(z, dtype=torch.float32), torch.as_tensor(y)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.SGD(head.parameters(), lr=cal.LEARNING_RATE, momentum=cal.MOMENTUM)
-    for _ in range(cal.STEPS):
-        batch = torch.randint(0, len(labels), (cal.BATCH,), generator=generator)
-        loss = torch.nn.functional.cross_entropy(head(features[batch]), labels[batch])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return head.weight.detach().numpy(), head.bias.detach().numpy()
 
 
 def recall_summary(arrays: dict, test: SiteArrays, target: int) -> str:
@@ -177,7 +156,7 @@ def main(argv=None) -> None:
     seed = config.seed * 1_000_003 + config.num_server_rounds  # the server's calibration seed
     for merge in MERGES:
         z, labels = virtual_features(parts, num_classes, merge, np.random.default_rng(seed))
-        weight, bias = refit(before["head.weight"], before["head.bias"], z, labels, seed)
+        weight, bias = cal.fit_head(before["head.weight"], before["head.bias"], z, labels, seed=seed)
         print(f"{args.run.name}: redone, {merge:8s}  {recall_summary({**after, 'head.weight': weight, 'head.bias': bias}, test, target)}")
 
 

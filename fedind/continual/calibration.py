@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ClassMoments", "bounded_moments", "calibrate_head", "class_moments", "decode_moments", "encode_moments",
+    "ClassMoments", "bounded_moments", "calibrate_head", "class_moments", "decode_moments", "draw_gaussian",
+    "encode_moments", "fit_head", "sampling_ridge",
     "merge_moments", "moments_vector", "shrunk_covariances", "triangle", "untriangle", "vector_moments",
 ]
 
@@ -275,20 +276,40 @@ def calibrate_head(weight: np.ndarray, bias: np.ndarray, counts: np.ndarray, mea
     """The head ``(weight [C, F], bias [C])`` refit on ``samples`` virtual features per class
     with a count above 0, drawn from ``N(means[c], covariances[c])``; classes without features
     keep their rows only as competitors (no samples of theirs). float32 out, as in."""
-    c_all, f = weight.shape
+    f = weight.shape[1]
     present = np.flatnonzero(np.asarray(counts) > 0)
     if present.size < 2:
         raise ValueError(f"head calibration needs features of two classes or more, got {present.size}")
     rng = np.random.default_rng(seed)
-    ridge = RIDGE * max(float(np.mean([np.trace(covariances[c]) / f for c in present])), 1e-12)
-    zs, ys = [], []
-    for c in present:  # N(mu, Sigma) through Sigma's eigenvectors, its eigenvalues floored at the ridge (PSD after rounding)
-        values, vectors = np.linalg.eigh((covariances[c] + covariances[c].T) / 2)
-        root = vectors * np.sqrt(np.maximum(values, ridge))
-        zs.append(means[c] + rng.standard_normal((samples, f)) @ root.T)
-        ys.append(np.full(samples, c))
-    z = torch.as_tensor(np.concatenate(zs), dtype=torch.float32)
-    y = torch.as_tensor(np.concatenate(ys))
+    ridge = sampling_ridge(covariances[present])
+    z = np.concatenate([draw_gaussian(rng, means[c], covariances[c], samples, ridge) for c in present])
+    y = np.repeat(present, samples)
+    return fit_head(weight, bias, z, y, seed=seed, steps=steps)
+
+
+def sampling_ridge(covariances: np.ndarray) -> float:
+    """The eigenvalue floor for drawing from ``covariances`` [K, F, F]: :data:`RIDGE` times
+    their mean variance."""
+    f = covariances.shape[-1]
+    return RIDGE * max(float(np.mean([np.trace(c) / f for c in covariances])), 1e-12)
+
+
+def draw_gaussian(rng: np.random.Generator, mean: np.ndarray, covariance: np.ndarray, n: int,
+                  ridge: float) -> np.ndarray:
+    """``n`` draws of ``N(mean, covariance)`` through the covariance's eigenvectors, its
+    eigenvalues floored at ``ridge`` (PSD after rounding)."""
+    values, vectors = np.linalg.eigh((covariance + covariance.T) / 2)
+    root = vectors * np.sqrt(np.maximum(values, ridge))
+    return mean + rng.standard_normal((n, len(mean))) @ root.T
+
+
+def fit_head(weight: np.ndarray, bias: np.ndarray, z: np.ndarray, y: np.ndarray, *, seed: int = 0,
+             steps: int = STEPS) -> tuple[np.ndarray, np.ndarray]:
+    """The head ``(weight [C, F], bias [C])`` refit from itself by SGD on features ``z`` with
+    labels ``y`` (``steps`` batches drawn with ``seed``). float32 out."""
+    c_all, f = weight.shape
+    z = torch.as_tensor(z, dtype=torch.float32)
+    y = torch.as_tensor(y)
     head = nn.Linear(f, c_all)
     with torch.no_grad():
         head.weight.copy_(torch.as_tensor(weight, dtype=torch.float32))
