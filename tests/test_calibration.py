@@ -9,6 +9,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fedind import wire
 from fedind.continual.calibration import (
+    agreeing,
     bounded_moments,
     calibrate_head,
     class_moments,
@@ -102,6 +103,57 @@ def test_calibration_repairs_a_head_tilted_towards_one_class():
         calibrate_head(weight, bias, np.array([10.0, 0, 0]), means, scatter, seed=0)
 
 
+def _mislabelled_line(rng, distance: float = 3.0, spread: float = 0.5, logged: int = 60):
+    """Three classes in 4-D, three lines; line 0 holds ``logged`` windows of class 1 and
+    logs them as class 0 (healthy). Returns the centres, the lines' ``(features, labels)``
+    and the head of a model that learnt the classes (nearest centre)."""
+    centres = np.stack([distance * np.eye(4)[i] for i in range(3)])
+
+    def line(n1: int):
+        z = np.concatenate([c + spread * rng.standard_normal((n, 4)) for c, n in zip(centres, (60, n1, 60))])
+        return z, np.repeat(np.arange(3), (60, n1, 60))
+
+    lines = [line(logged), line(30), line(30)]
+    lines[0] = (lines[0][0], np.where(lines[0][1] == 1, 0, lines[0][1]))
+    head = centres / spread ** 2, -0.5 * (centres ** 2).sum(axis=1) / spread ** 2
+    return centres, lines, head
+
+
+def test_agreeing_leaves_out_the_windows_the_head_contradicts():
+    rng = np.random.default_rng(5)
+    _, lines, (weight, bias) = _mislabelled_line(rng)
+    z, y = lines[0]
+    keep = agreeing(z, y, weight, bias, 0.01)
+    truly = np.repeat(np.arange(3), 60)
+    assert not keep[truly == 1].any()  # every class-1 window logged as healthy is left out
+    assert keep[truly != 1].mean() > 0.95  # the line's true windows stay
+    assert agreeing(z, y, weight, bias, 0.0).all()  # floor 0: every window
+    # A class the head contradicts in every window (a row it has not learnt) keeps them all.
+    blind = agreeing(z, y, weight, bias - np.array([0.0, 0.0, 1e3]), 0.01)
+    assert blind[y == 2].all() and not blind[truly == 1].any()
+
+
+def test_the_floor_keeps_a_mislabelling_line_from_calling_a_fault_healthy():
+    """A line that holds most of class 1 and logs it as healthy: calibrated on every line's
+    moments, the healthy Gaussian spreads over class 1 and the head calls much of it
+    healthy; with the windows the received head contradicts left out, class 1 is recognised."""
+    rng = np.random.default_rng(7)
+    centres, lines, head = _mislabelled_line(rng, distance=2.0, spread=0.6, logged=200)
+    test_z = np.concatenate([c + 0.6 * rng.standard_normal((300, 4)) for c in centres])
+    test_y = np.repeat(np.arange(3), 300)
+
+    def recall_1(floor: float) -> float:
+        parts = [class_moments(z[agreeing(z, y, *head, floor)], y[agreeing(z, y, *head, floor)]) for z, y in lines]
+        counts, means, scatter = merge_moments(parts, num_classes=3)
+        w, b = calibrate_head(np.zeros((3, 4), np.float32), np.zeros(3, np.float32), counts, means,
+                              shrunk_covariances(counts, scatter), seed=0)
+        predicted = np.argmax(test_z @ w.T + b, axis=1)
+        return float(np.mean(predicted[test_y == 1] == 1))
+
+    assert recall_1(0.0) < 0.9
+    assert recall_1(0.01) > recall_1(0.0) + 0.1
+
+
 def _reply(moments_values, site: str = "line-01") -> Message:
     instruction = Message(RecordDict({"config": ConfigRecord({})}), message_type=wire.CALIBRATE, dst_node_id=1)
     content = RecordDict({wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: 10}),
@@ -192,7 +244,7 @@ def test_a_short_run_calibrates_its_final_head_from_the_sites_moments(tmp_path, 
             return list(csv.DictReader(f))
 
     caplog.set_level(INFO)
-    plain, calibrated = rounds("plain"), rounds("calibrated", head_calibration=True)
+    plain, calibrated = rounds("plain"), rounds("calibrated", head_calibration=True, calibration_label_floor=0.01)
     for before, after in zip(plain[:-1], calibrated[:-1]):
         assert (before["accuracy"], before["uplink_bytes"]) == (after["accuracy"], after["uplink_bytes"])
     assert int(calibrated[-1]["uplink_bytes"]) > int(plain[-1]["uplink_bytes"]) + 3 * 2000

@@ -16,6 +16,11 @@ holds, the count :math:`n_c`, the mean :math:`\mu_c` and the covariance :math:`\
 side vector of per-window raw moments (:func:`moments_vector`), summed under Paillier; the
 server reads the union's from the sum (:func:`vector_moments`) and never one line's.
 
+A window whose label the received model contradicts with near certainty (probability
+below ``calibration-label-floor``, :func:`agreeing`) is left out: a line that logs one
+fault as healthy would otherwise spread the healthy class's Gaussian over that fault, and
+the refit head would call it healthy (docs/benchmarks/poisoning.md).
+
 **Server** (:func:`merge_moments`): the moments of the union, exactly,
 
 .. math::
@@ -50,7 +55,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ClassMoments", "bounded_moments", "calibrate_head", "class_moments", "decode_moments", "draw_gaussian",
+    "ClassMoments", "agreeing", "bounded_moments", "calibrate_head", "class_moments", "decode_moments", "draw_gaussian",
     "encode_moments", "fit_head", "sampling_ridge",
     "merge_moments", "moments_vector", "shrunk_covariances", "triangle", "untriangle", "vector_moments",
 ]
@@ -156,6 +161,29 @@ def class_moments(features: np.ndarray, labels: np.ndarray) -> ClassMoments:
     covariances = np.stack([np.cov(z[y == c], rowvar=False, bias=True).reshape(z.shape[1], z.shape[1])
                             for c in classes]) if classes.size else np.zeros((0, z.shape[1], z.shape[1]))
     return ClassMoments(classes, counts, means, covariances)
+
+
+def agreeing(features: np.ndarray, labels: np.ndarray, weight: np.ndarray, bias: np.ndarray,
+             floor: float) -> np.ndarray:
+    """Which windows a site describes in its calibration moments: a boolean mask, False where
+    the received head gives the window's label a probability below ``floor`` (0: every
+    window). A line's mislabelled windows (class 1 logged as healthy) are what the
+    federation's model contradicts with near certainty; kept, they spread the healthy
+    Gaussian over class 1 and the calibrated head calls class 1 healthy. A class whose
+    windows would all be left out keeps them all (a head that has not learnt a class yet
+    contradicts every window of it)."""
+    y = np.asarray(labels)
+    keep = np.ones(y.shape, dtype=bool)
+    if floor <= 0 or y.size == 0:
+        return keep
+    logits = np.asarray(features, dtype=np.float64) @ np.asarray(weight, dtype=np.float64).T + np.asarray(bias)
+    logits -= logits.max(axis=1, keepdims=True)
+    log_p = logits[np.arange(len(y)), y] - np.log(np.exp(logits).sum(axis=1))
+    keep = log_p >= np.log(floor)
+    for c in np.unique(y):
+        if not keep[y == c].any():
+            keep[y == c] = True
+    return keep
 
 
 def bounded_moments(parts: Mapping[str, ClassMoments], limits: Mapping[str, Sequence[int]],

@@ -28,7 +28,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 from .. import wire
 from ..config import RunConfig
-from ..continual.calibration import class_moments, encode_moments, moments_vector
+from ..continual.calibration import agreeing, class_moments, encode_moments, moments_vector
 from ..continual.phases import classes_seen, evaluate_known, known, propose_new_rows
 from ..continual.site import (
     load_replay,
@@ -280,7 +280,8 @@ def phase_end(msg: Message, context: Context) -> Message:
 def calibrate(msg: Message, context: Context) -> Message:
     """After the run's last round, head calibration (``query.calibrate``,
     fedind.continual.calibration): per class the site holds, the count, mean and covariance
-    of the received model's features over this phase's windows and the replay buffer's.
+    of the received model's features over this phase's windows and the replay buffer's,
+    without the windows whose label the received model contradicts (``calibration-label-floor``).
     Moments only: no window leaves the site."""
     config = run_config_of(msg)
     server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
@@ -291,7 +292,10 @@ def calibrate(msg: Message, context: Context) -> Message:
     if buffer is not None and len(buffer):
         replayed = buffer.arrays()
         data = SiteArrays(np.concatenate([data.x, replayed.x]), np.concatenate([data.y, replayed.y]))
-    moments = class_moments(window_features(model, data.x, pick_device(config.device)), data.y)
+    features = window_features(model, data.x, pick_device(config.device))
+    kept = agreeing(features, data.y, model.head.weight.detach().cpu().numpy(), model.head.bias.detach().cpu().numpy(),
+                    config.calibration_label_floor)
+    moments = class_moments(features[kept], data.y[kept])
     content = RecordDict({
         wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id}),
         wire.METRICS: MetricRecord({wire.NUM_EXAMPLES: int(moments.counts.sum())}),
