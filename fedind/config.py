@@ -83,7 +83,6 @@ class RunConfig:
     alignment_threshold: float = -0.4  # screen: reject a site whose decayed label alignment is below this (-1 = off; fedind.server.screening)
     consensus_threshold: float = -0.25  # screen: a site whose decayed mean cosine to the rounds' median updates is negative is weighed down and clipped to the median norm, and rejected for the round below this (-1 = off; fedind.server.screening)
     norm_clip: float = 0.0  # screen: every accepted update longer than this many times the round's median update norm is scaled down to it (0 = off; fedind.server.screening)
-    norm_clip_carry: float = 0.0  # screen: share of what the norm clip removed from a site's update that the server adds to its next one (0 = none; fedind.server.screening)
     alignment_release: float = 1.1  # screen: a rejected site is let back in once its decayed label alignment is back at this (above 1 = never: rejected for the rest of the run)
     compression: str = "none"  # site -> server updates: none (dense weights) | topk (sparse delta)
     topk_ratio: float = 0.015  # topk: share of coordinates sent per round
@@ -180,7 +179,6 @@ class RunConfig:
             "alignment-threshold": -1 <= self.alignment_threshold <= 1,
             "consensus-threshold": -1 <= self.consensus_threshold < 0,
             "norm-clip": math.isfinite(self.norm_clip) and (self.norm_clip == 0 or self.norm_clip >= 1),
-            "norm-clip-carry": 0 <= self.norm_clip_carry <= 1,
             "calibration-label-floor": 0 <= self.calibration_label_floor < 1,
             "alignment-release": math.isfinite(self.alignment_release) and self.alignment_release >= self.alignment_threshold,
             "compression": self.compression in COMPRESSIONS,
@@ -344,7 +342,6 @@ class RunConfig:
             "alignment_release": self.alignment_release if self.alignment_release <= 1 else None,
             "consensus_threshold": None if self.consensus_threshold <= -1 else self.consensus_threshold,
             "clip_ratio": self.norm_clip if self.norm_clip > 0 else None,
-            "clip_carry": self.norm_clip_carry,
         }
 
     @property

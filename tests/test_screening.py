@@ -5,7 +5,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedind import wire
-from fedind.server.metering import MeteredGrid, site_id_of
+from fedind.server.metering import MeteredGrid
 from fedind.server.pipeline import NO_UPDATE
 from fedind.server.strategies import FedMedian
 from fedind.server.screening import (
@@ -237,59 +237,6 @@ def test_the_clip_scales_an_accepted_long_update_down_to_the_ratio_times_the_med
 def test_without_a_clip_ratio_accepted_updates_are_untouched():
     replies, out = _boosted_round(clip_ratio=None)
     assert all(_unchanged(o, r) for o, r in zip(out, replies))
-
-
-def test_the_carry_adds_what_the_clip_removed_to_the_sites_next_update():
-    """Round 1 clips site 6's 4x update to 1.5x the median; with a carry of 1 the server
-    adds what it removed to site 6's round-2 update, which is then clipped again; a site
-    that is not clipped carries nothing."""
-    instructions = {node: instruction(node) for node in range(1, 7)}
-    replies, _ = _boosted_round(clip_ratio=1.5)
-    screen = UpdateScreen(num_classes=3, clip_ratio=1.5, clip_carry=1.0)
-    first = screen(instructions, replies)
-    median = float(np.median([_delta_norm(r) for r in replies]))
-    removed = _delta_norm(replies[-1]) - 1.5 * median  # same direction: the norms subtract
-    assert set(screen.carry) == {site_id_of(replies[-1])}
-    carried = np.sqrt(sum(np.sum(d ** 2) for d in screen.carry[site_id_of(replies[-1])].values()))
-    assert carried == pytest.approx(removed, rel=1e-4)
-    # Round 2: site 6 sends an honest-sized update; the carry makes it long, and it is clipped.
-    second_replies = [reply(instructions[n], honest(n)) for n in range(1, 7)]
-    second = screen(instructions, second_replies)
-    assert not any(r.has_error() for r in first + second)
-    median2 = float(np.median([_delta_norm(r) for r in second_replies]))
-    assert _delta_norm(second[-1]) == pytest.approx(1.5 * median2, rel=1e-4)
-    assert _delta_norm(second_replies[-1]) < 1.5 * median2  # without the carry it would pass as sent
-    assert all(_unchanged(second[i], second_replies[i]) for i in range(5))
-
-
-def test_the_carry_survives_a_resume():
-    instructions = {node: instruction(node) for node in range(1, 7)}
-    replies, _ = _boosted_round(clip_ratio=1.5)
-    screen = UpdateScreen(num_classes=3, clip_ratio=1.5, clip_carry=0.8)
-    screen(instructions, replies)
-    resumed = UpdateScreen(num_classes=3, clip_ratio=1.5, clip_carry=0.8)
-    resumed.load_state_dict(screen.state_dict())
-    site = site_id_of(replies[-1])
-    assert set(resumed.carry) == {site}
-    for name, d in screen.carry[site].items():
-        np.testing.assert_array_equal(resumed.carry[site][name], d)
-
-
-def test_a_rejected_site_loses_its_carry():
-    instructions = {node: instruction(node) for node in range(1, 7)}
-    replies, _ = _boosted_round(clip_ratio=1.5)
-    screen = UpdateScreen(num_classes=3, clip_ratio=1.5, clip_carry=0.8)
-    screen(instructions, replies)
-    assert screen.carry
-    bad = [reply(instructions[n], honest(n)) for n in range(1, 6)]
-    bad.append(reply(instructions[6], BAD_UPDATES["scaled 1e6x"][0]))
-    out = screen(instructions, bad)
-    assert out[-1].has_error() and not screen.carry
-
-
-def test_an_invalid_carry_is_refused():
-    with pytest.raises(ValueError, match="clip_carry"):
-        UpdateScreen(num_classes=3, clip_ratio=1.5, clip_carry=1.5)
 
 
 def test_rejected_updates_stay_rejected_under_the_clip():

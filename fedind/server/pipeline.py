@@ -185,14 +185,6 @@ def scaled(update: SiteUpdate, sent: Mapping[str, np.ndarray], factor: float) ->
                       update.metrics, update.proposal)
 
 
-def shifted(update: SiteUpdate, sent: Mapping[str, np.ndarray], carry: Mapping[str, np.ndarray]) -> SiteUpdate:
-    """``update`` with ``carry`` added to its delta: weights ``sent + delta + carry``."""
-    weights = {name: (base + update.delta[name] + carry[name]).astype(base.dtype) for name, base in sent.items()}
-    delta = {name: weights[name].astype(np.float64) - base.astype(np.float64) for name, base in sent.items()}
-    return SiteUpdate(update.site_id, update.node_id, update.num_examples, update.histogram, delta, weights,
-                      update.metrics, update.proposal)
-
-
 def update_of(reply: Message, decode) -> SiteUpdate:
     """The typed update of a reply: the one the pipeline made, else ``decode(reply)`` (a
     strategy used without :class:`ReplyPipeline`, e.g. in a unit test or another server)."""
@@ -242,14 +234,9 @@ class ReplyPipeline:
                                                                uplink=self.uplink, cipher=self.cipher))
             except Rejected as err:
                 out[i] = Message(Error(code=err.code, reason=str(err)), reply_to=instruction)
-        if self.screen is not None and self.screen.clip_carry:
-            updates = {i: (instruction, sent, self.screen.carried_in(update, sent))
-                       for i, (instruction, sent, update) in updates.items()}
         verdicts = {} if self.screen is None else self.screen.rules([u for _, _, u in updates.values()])
         for position, (i, (instruction, sent, update)) in enumerate(updates.items()):
             verdict = verdicts.get(position)
-            if self.screen is not None:
-                self.screen.keep_carry(position, update, verdict)
             if isinstance(verdict, str):
                 out[i] = Message(Error(code=wire.REJECTED_UPDATE,
                                        reason=f"rejected update: {verdict} (site {update.site_id})"),

@@ -66,14 +66,6 @@ for every strategy — Flower's or fedind's):
    information, so at c = 1.5 it cost clean runs 0.6 to 2.1 points (poisoning benchmark,
    selection seeds 1-3; docs/benchmarks/poisoning.md).
 
-   **Carry** (``clip_carry`` :math:`\gamma`, the run config's ``norm-clip-carry``; 0 =
-   none): what the clip removed from a site's update is kept by the server and added to
-   that site's next update, :math:`\gamma` of it, before the round's rules
-   (:meth:`UpdateScreen.carried_in`): an honest line's long update is delayed, not lost,
-   while no site moves the model by more than :math:`c` honest-sized steps in any round.
-   An attacker gains nothing it could not send itself. Only what the clip alone removed is
-   carried: a site rejected or weighed down by another rule that round loses its carry.
-
 5. **Label alignment** (:func:`label_alignment`, per site across rounds; ``alignment_threshold``,
    the run config's ``alignment-threshold``, default -0.4 in the server): the correlation
    of a site's classifier-bias update with its own log label shares. An honest site
@@ -410,17 +402,11 @@ class UpdateScreen:
                  max_ratio: float = 50.0, norm_rule: bool = True, count_rule: bool = True,
                  clip_ratio: float | None = None, alignment_threshold: float | None = None,
                  alignment_release: float | None = None, alignment_decay: float = 0.9, alignment_warmup: int = 3,
-                 bias_name: str = "head.bias", consensus_threshold: float | None = None,
-                 clip_carry: float = 0.0) -> None:
+                 bias_name: str = "head.bias", consensus_threshold: float | None = None) -> None:
         outlier_bounds([1.0, 1.0, 1.0], z, min_ratio, max_ratio)  # validates z and the ratios
         if clip_ratio is not None:
             clip_factors([1.0], clip_ratio)  # validates clip_ratio
         self.clip_ratio = None if clip_ratio is None else float(clip_ratio)
-        if not 0 <= clip_carry <= 1:
-            raise ValueError(f"Invalid clip_carry: {clip_carry!r} (expected 0 <= clip_carry <= 1)")
-        self.clip_carry = float(clip_carry)
-        self.carry: dict[str, dict[str, np.ndarray]] = {}  # site -> what the clip removed, times clip_carry
-        self._clipped: dict[int, float] = {}  # position -> the clip's factor, of the last rules() call
         self.num_classes = num_classes
         self.z = float(z)
         self.min_ratio = float(min_ratio)
@@ -446,16 +432,14 @@ class UpdateScreen:
 
     def state_dict(self) -> dict:
         """What the screen learnt across rounds (the sites' label-alignment and consensus
-        records, the banned sites, and the clip's carry)."""
+        records, and the banned sites)."""
         return {"alignment": self.alignment.state_dict(), "flagged": sorted(self.flagged),
-                "consensus": self.consensus.state_dict(), "carry": {site: dict(carry) for site, carry in self.carry.items()}}
+                "consensus": self.consensus.state_dict()}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.alignment.load_state_dict(state["alignment"])
         self.flagged = {str(site) for site in state["flagged"]}
         self.consensus.load_state_dict(state.get("consensus", {}))  # absent in checkpoints before the rule
-        self.carry = {str(site): {str(name): np.asarray(d, dtype=np.float64) for name, d in carry.items()}
-                      for site, carry in state.get("carry", {}).items()}  # absent before the carry
 
     def grow_classes(self, num_classes: int) -> None:
         """The head grew: a valid label histogram has ``num_classes`` counts."""
@@ -524,37 +508,12 @@ class UpdateScreen:
                     log(INFO, "update of site %s weighed down to %.3g: it runs against the round's median update "
                         "(decayed mean cosine %.2f over %d rounds, this round %.2f; dropped below %g)",
                         updates[i].site_id, factor, record.mean, record.rounds, record.cosine, self.consensus_threshold)
-        self._clipped = {}
         if self.clip_ratio is not None and valid:
             for (i, _, _), factor in zip(valid, clip_factors([entry[1] for entry in valid], self.clip_ratio)):
                 factors[i] = min(factor, factors.get(i, 1.0))
-                self._clipped[i] = float(factor)
         verdicts: dict[int, str | float] = {i: f for i, f in factors.items() if f < 1.0}
         verdicts.update(reasons)
         return verdicts
-
-    def carried_in(self, update, sent: Mapping[str, np.ndarray]):
-        """``update`` with its site's carry added to its delta (:func:`fedind.server.pipeline.shifted`);
-        the update itself when there is none, or when the carry no longer fits the model (the
-        head grew since: what it delayed is lost once)."""
-        from .pipeline import shifted  # the pipeline owns SiteUpdate
-
-        carry = self.carry.pop(update.site_id, None)
-        if carry is None or not update.has_update:
-            return update
-        if set(carry) != set(update.delta) or any(carry[k].shape != update.delta[k].shape for k in carry):
-            return update
-        return shifted(update, sent, carry)
-
-    def keep_carry(self, position: int, update, verdict: str | float | None) -> None:
-        """After the round's rules: keep ``clip_carry`` of what the clip removed from the update
-        at ``position`` (of the last :meth:`rules` call) for its site's next update, when the
-        clip alone scaled it (``verdict`` is the clip's factor)."""
-        clipped = self._clipped.get(position, 1.0)
-        if self.clip_carry == 0 or isinstance(verdict, str) or verdict is None or clipped >= 1.0 or verdict < clipped:
-            return
-        share = self.clip_carry * (1.0 - clipped)
-        self.carry[update.site_id] = {name: share * d for name, d in update.delta.items()}
 
     def _misaligned(self, update, consensus: Consensus | None = None) -> str | None:
         """Fold this update's label alignment into its site's record; the rejection reason
