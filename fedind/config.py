@@ -137,7 +137,7 @@ class RunConfig:
     ewc_fade_rounds: int = 0  # EWC's weight fades linearly to 0 over this many rounds after each phase end (0 = constant)
     ewc_anchor: str = "phase-end"  # EWC anchors: phase-end (the model at the last phase end) | global (the model each round starts from)
     head_calibration: bool = False  # phases: after the last round, refit the head on virtual features from the sites' per-class feature moments (CCVR)
-    calibration_label_floor: float = 0.0  # phases, head calibration: a site leaves out of its moments the windows whose label the received model gives a probability below this (0 = keep all)
+    calibration_label_floor: float = 0.0  # head-calibration (no effect without it): a site leaves out of its moments the windows whose label the received model gives a probability below this (0 = keep all)
     young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa averages them over its holders; other strategies refit)
 
     def __post_init__(self) -> None:
@@ -457,6 +457,7 @@ RECIPE: dict[str, Any] = {
     "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)...
     "ewc_anchor": "global",  # ...held near each round's global model: anchoring at the phase-end model held back a model still learning
     "head_calibration": True,  # after the last round the head is refit on virtual features from the lines' feature moments (CCVR)
+    "calibration_label_floor": 0.01,  # ...without the windows whose label the final model contradicts (a mislabelling line's)
     # with encryption = "paillier": twice the announced set in 12-bit slots, for the bytes of the 24-bit
     # layout's 4.5 % (+2.3 points on the plant's seeds 0-4 at alpha 0.3; docs/benchmarks/sparse-paillier.md)
     "paillier_set_ratio": 0.087,  # with a young class's 129 head values, 27 ciphertexts of 170 slots
