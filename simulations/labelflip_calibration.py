@@ -20,7 +20,11 @@ healthy (``labelflip`` runs: the attacked class, automatically), under three mer
 - ``consistent``: a line's part of a class is left out when its mean lies nearer another
   class's pooled mean of the other lines than its own class's (Mahalanobis distance under
   the other lines' pooled within-class covariance): features that the rest of the
-  federation reads as another class.
+  federation reads as another class;
+- ``floor``: fedind's merge of the moments of the windows whose label the model before
+  calibration (round 39's here; the run's own round-40 model in fedind) gives a
+  probability of at least ``--floor`` (:func:`fedind.continual.calibration.agreeing`, the
+  recipe's ``calibration-label-floor`` since the fourteenth session).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from fedind.models import FaultCNN  # noqa: E402
 from fedind.server.checkpoint import CheckpointStore  # noqa: E402
 from fedind.training import evaluate, window_features  # noqa: E402
 
-MERGES = ("merged", "trimmed", "mixture", "consistent")
+MERGES = ("merged", "trimmed", "mixture", "consistent", "floor")
 MIN_HOLDERS = 5  # trimmed: classes held by fewer lines are merged as they are
 
 
@@ -129,6 +133,7 @@ def main(argv=None) -> None:
     parser.add_argument("run", type=Path, help="one run folder of simulations/poisoning.py")
     parser.add_argument("--relabel", type=int, default=None, help="line 0's class called healthy (default: a "
                         "labelflip run's class, else none)")
+    parser.add_argument("--floor", type=float, default=0.01, help="the floor merge's probability floor")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     match = re.fullmatch(r".*?-(?:labelflip(\d+)|[a-z0-9.]+)-seed(\d+)", args.run.name)
@@ -145,17 +150,21 @@ def main(argv=None) -> None:
     print(f"{args.run.name}: before calibration {recall_summary(before, test, target)}")
     print(f"{args.run.name}: after calibration  {recall_summary(after, test, target)}")
     body = FaultCNN.from_state_dict({k: torch.from_numpy(np.array(v)) for k, v in after.items()}).eval()
-    parts = []
+    parts, floored = [], []
     for line in range(config.num_sites):
         site = site_from_partition(config.drift_spec(), config.data_root, line, config.num_sites, 1)
         known = site.train.y < num_classes
         labels = site.train.y[known]
         if line == 0 and relabel is not None:
             labels = np.where(labels == relabel, 0, labels)
-        parts.append(cal.class_moments(window_features(body, site.train.x[known], torch.device("cpu")), labels))
+        features = window_features(body, site.train.x[known], torch.device("cpu"))
+        parts.append(cal.class_moments(features, labels))
+        kept = cal.agreeing(features, labels, before["head.weight"], before["head.bias"], args.floor)
+        floored.append(cal.class_moments(features[kept], labels[kept]))
     seed = config.seed * 1_000_003 + config.num_server_rounds  # the server's calibration seed
     for merge in MERGES:
-        z, labels = virtual_features(parts, num_classes, merge, np.random.default_rng(seed))
+        chosen = (floored, "merged") if merge == "floor" else (parts, merge)
+        z, labels = virtual_features(*chosen[:1], num_classes, chosen[1], np.random.default_rng(seed))
         weight, bias = cal.fit_head(before["head.weight"], before["head.bias"], z, labels, seed=seed)
         print(f"{args.run.name}: redone, {merge:8s}  {recall_summary({**after, 'head.weight': weight, 'head.bias': bias}, test, target)}")
 
