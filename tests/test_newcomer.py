@@ -11,8 +11,10 @@
 6. a stray label without meta.json, a resume past num-server-rounds, ``--seed -1`` and too
    few windows per site each get a message naming what is wrong.
 
-The quickstart runs use Flower's Simulation Runtime (Ray, ~35 s on 2 cores): the point is a
-plain Flower client in Flower's runtime. The other runs use the in-process loopback grid.
+All runs use the in-process loopback grid, which calls the plain ClientApp with the same
+Messages and Context as Flower's runtimes (Ray took ~45 s more here; fedind's own site agent
+runs under Ray in tests/ray_batch.py and tests/test_ray_cluster.py, and over real SuperNodes
+in the deployment tests).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def quickstart_runs(tmp_path_factory):
     # top-k both ways: a plain client gets whole models and replies dense weights).
     configs.append(recipe(**SMALL, num_server_rounds=3, phase_rounds=2, data_root=str(root),
                           run_dir=str(tmp / "runs"), run_name="recipe"))
-    summaries, lines = collecting(lambda: simulate_many(configs, client_app=quickstart_app(root)))
+    summaries, lines = collecting(lambda: simulate_many(configs, client_app=quickstart_app(root), runtime="loopback"))
     return dict(zip(("dwa", "fedavgm", "recipe"), summaries)), lines, tmp / "runs", root
 
 
