@@ -35,13 +35,14 @@ def flwr_log(caplog, monkeypatch):
     logger.removeHandler(caplog.handler)
 
 
-# --------------------------------------------------------------------------- the suite's one Ray start
+# --------------------------------------------------------------------------- the suite's Ray batch
 #
 # Most federation tests run on the loopback runtime (fedind.loopback: the sites called in
 # this process, no start-up). Flower's Simulation Runtime (Ray, a worker process per site)
-# starts once per session, for the tests that use ``ray_runs``: tests/ray_batch.py, in a
-# process of its own started as soon as collection ends, so that it runs while the other
-# tests do.
+# runs for the tests that use ``ray_runs`` (a local Ray start) or ``ray_cluster_run`` (a
+# cluster started with ``ray start --head``): tests/ray_batch.py, in a process of its own
+# started as soon as collection ends, so that it runs while the other tests do; those
+# tests run near the end.
 
 _RAY_BATCH: dict = {}  # "process", "out", "log"
 
@@ -66,6 +67,8 @@ def _start_ray_batch(config) -> None:
 
 
 def _stop_ray_batch() -> None:
+    """Kill the batch's process group and, if it was up, the Ray cluster it started (a
+    group of its own: ``OUT/ray_cluster.pgid``)."""
     import os
     import signal
 
@@ -76,35 +79,58 @@ def _stop_ray_batch() -> None:
         except ProcessLookupError:
             pass
         process.wait()
+    cluster = _RAY_BATCH["out"] / "ray_cluster.pgid" if _RAY_BATCH else None
+    if cluster is not None and cluster.exists():
+        try:
+            os.killpg(int(cluster.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _ray_batch_file(request, name: str, timeout: float = 900.0):
+    """``OUT/name`` once tests/ray_batch.py has written it (it writes each part's file when
+    that part is done); the batch's log in the error if it exits without it."""
+    import time
+
+    _start_ray_batch(request.config)  # started at the end of collection already, normally
+    process, path = _RAY_BATCH["process"], _RAY_BATCH["out"] / name
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None and not path.exists():
+            tail = _RAY_BATCH["log"].read_text(errors="replace")[-6000:]
+            raise RuntimeError(f"tests/ray_batch.py exited with {process.returncode} without {name}:\n{tail}")
+        if time.monotonic() > deadline:
+            _stop_ray_batch()
+            raise TimeoutError(f"tests/ray_batch.py did not write {name} in {timeout:.0f} s")
+        time.sleep(0.2)
+    return path
 
 
 @pytest.fixture(scope="session")
 def ray_runs(request) -> dict:
-    """What tests/ray_batch.py wrote: summaries of three runs in one Ray simulation
-    (``simulate_many``): ``first`` and ``second`` (RAY_TOPK, the same config twice),
-    ``encrypted`` (RAY_ENCRYPTED with a Paillier key pair, the ServerApp's process barred
-    from the private key); ``configs`` (the RunConfig of each), ``run_dir`` and
+    """What tests/ray_batch.py's first part wrote: summaries of three runs in one Ray
+    simulation (``simulate_many``): ``first`` and ``second`` (RAY_TOPK, the same config
+    twice), ``encrypted`` (RAY_ENCRYPTED with a Paillier key pair, the ServerApp's process
+    barred from the private key); ``configs`` (the RunConfig of each), ``run_dir`` and
     ``private_key_loads`` (attempts in the ServerApp's process: must stay [])."""
     import json
-    import subprocess
     from pathlib import Path
 
     from fedind.config import RunConfig
 
-    _start_ray_batch(request.config)  # started at the end of collection already, normally
-    process, out = _RAY_BATCH["process"], _RAY_BATCH["out"]
-    try:
-        returncode = process.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        _stop_ray_batch()
-        raise
-    if returncode != 0 or not (out / "ray_runs.json").exists():
-        tail = _RAY_BATCH["log"].read_text(errors="replace")[-6000:]
-        raise RuntimeError(f"tests/ray_batch.py exited with {returncode}:\n{tail}")
-    runs = json.loads((out / "ray_runs.json").read_text())
+    runs = json.loads(_ray_batch_file(request, "ray_runs.json").read_text())
     runs["configs"] = {name: RunConfig.from_flower(values) for name, values in runs["configs"].items()}
     runs["run_dir"] = Path(runs["run_dir"])
     return runs
+
+
+@pytest.fixture(scope="session")
+def ray_cluster_run(request) -> dict:
+    """What tests/ray_batch.py's second part wrote (``ray_cluster.json``): a run attached to
+    a Ray cluster started with ``ray start --head``, and where its sites ran."""
+    import json
+
+    return json.loads(_ray_batch_file(request, "ray_cluster.json").read_text())
 
 
 # --------------------------------------------------------------------------- scenarios that start early
@@ -263,9 +289,17 @@ def pytest_configure(config):
     )
 
 
+_RAY_FIXTURES = ("ray_runs", "ray_cluster_run")
+
+
+def _uses_ray_batch(item) -> bool:
+    return any(name in getattr(item, "fixturenames", ()) for name in _RAY_FIXTURES)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that wait for a scenario go last: the suite runs while the scenarios do."""
-    items.sort(key=lambda item: _marker(item) is not None)  # stable: the order within each part is kept
+    """Tests that wait for tests/ray_batch.py, then those that wait for a scenario, go last:
+    the suite runs while the batch and the scenarios do."""
+    items.sort(key=lambda item: 2 if _marker(item) is not None else int(_uses_ray_batch(item)))  # stable
 
 
 def pytest_collection_finish(session):
@@ -279,7 +313,7 @@ def pytest_collection_finish(session):
             _scenario(session.config, marker["run"], marker.get("lane"))
     for lane in _LANES.values():
         lane.start()
-    if any("ray_runs" in getattr(item, "fixturenames", ()) for item in session.items):
+    if any(_uses_ray_batch(item) for item in session.items):
         _start_ray_batch(session.config)
 
 

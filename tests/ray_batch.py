@@ -1,17 +1,34 @@
-"""The test suite's one run of Flower's Simulation Runtime (Ray): ``python tests/ray_batch.py OUT``.
+"""The test suite's runs of Flower's Simulation Runtime (Ray): ``python tests/ray_batch.py OUT``.
 
 tests/conftest.py starts this script in a process of its own as soon as collection ends
-(if a selected test uses the ``ray_runs`` fixture), so that Ray's start-up (~15 s on 2
-cores) overlaps the rest of the suite. Three runs share the one Ray start
-(``simulate_many``); each is asserted on by the test named next to its config. This
-process is the ServerApp's: it may not load or build a Paillier private key while Ray runs
-(the sites, in Ray's worker processes, do). Writes ``OUT/ray_runs.json``: the three
-summaries, the run configs, the run folder and the private-key attempts (must be [])."""
+(if a selected test uses ``ray_runs`` or ``ray_cluster_run``), so that Ray's start-ups
+overlap the rest of the suite. Two parts, one after the other:
+
+1. Three runs share one local Ray start (``simulate_many``); each is asserted on by the test
+   named next to its config. This process is the ServerApp's: it may not load or build a
+   Paillier private key while Ray runs (the sites, in Ray's worker processes, do). Writes
+   ``OUT/ray_runs.json``: the three summaries, the run configs, the run folder and the
+   private-key attempts (must be []).
+2. A run attached to a Ray cluster this process did not start in-process: ``ray start
+   --head --block`` in a process group of its own with its own ``--temp-dir`` (stopped by
+   group afterwards; ``ray stop`` would stop every Ray on the host). Writes
+   ``OUT/ray_cluster.json`` for tests/test_ray_cluster.py: the summary, the run folder,
+   where each site's ClientApp ran, the cluster's address and group, this process's pid,
+   whether Ray was still initialised here afterwards and whether the cluster still
+   answered. ``OUT/ray_cluster.pgid`` names the cluster's group while it is up, so that the
+   suite can stop it if this process is killed."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,9 +40,14 @@ RAY_ENCRYPTED = dict(  # tests/test_secure.py::test_simulation_end_to_end_withou
     num_server_rounds=2, num_sites=3, samples_per_site=40, local_epochs=1, batch_size=8, learning_rate=0.01,
     model_width=8, device="cpu", strategy="dwa", encryption="paillier",
 )
+RAY_ATTACHED = dict(  # tests/test_ray_cluster.py: two sites, two rounds, a few seconds of training
+    num_server_rounds=2, num_sites=2, samples_per_site=40, local_epochs=1, batch_size=8,
+    learning_rate=0.01, model_width=8, device="cpu", seed=0,
+)
+START_SECONDS = 90.0
 
 
-def main(out: Path) -> None:
+def batched_runs(out: Path) -> None:
     from fedind.paillier import keys as paillier_keys
     from fedind.config import RunConfig
     from fedind.simulation import simulate_many
@@ -58,8 +80,104 @@ def main(out: Path) -> None:
         "run_dir": str(run_dir),
         "private_key_loads": loads,
     }
-    (out / "ray_runs.json").write_text(json.dumps(result))
+    _write_json(out / "ray_runs.json", result)
+
+
+def _write_json(path: Path, value) -> None:
+    """Whole or not at all: the suite reads the file as soon as it exists."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(value))
+    os.replace(partial, path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WhereMod:
+    """A client mod that notes where the site's ClientApp ran: its process, that process's
+    group and the Ray cluster (GCS address) it is connected to, a file per process."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def __call__(self, msg, context, call_next):
+        import ray
+
+        where = {"pid": os.getpid(), "pgid": os.getpgid(0), "gcs": ray.get_runtime_context().gcs_address}
+        (self.folder / f"{os.getpid()}.json").write_text(json.dumps(where))
+        return call_next(msg, context)
+
+
+def attached_run(out: Path) -> None:
+    """Part 2: a one-node cluster (2 CPUs, no dashboard) and a run attached to it."""
+    import ray
+
+    from fedind.config import RunConfig
+    from fedind.simulation import ray_endpoint, simulate
+    from fedind.site.app import site_app
+
+    if ray.is_initialized():
+        ray.shutdown()  # part 1's local Ray
+    temp_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths live under it
+    port = free_port()
+    log = Path(temp_dir) / "ray-start.log"
+    command = [
+        str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}",
+        "--num-cpus=2", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
+        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+    ]
+    with open(log, "wb") as sink:
+        head = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    (out / "ray_cluster.pgid").write_text(str(head.pid))
+    try:
+        started = Path(temp_dir) / "ray_current_cluster"  # ray start writes it once the node is up
+        deadline = time.monotonic() + START_SECONDS
+        while not started.exists():
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`ray start --head` did not come up (exit {head.poll()}):\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        address = f"127.0.0.1:{port}"
+        where = out / "where"
+        where.mkdir()
+        config = RunConfig(**RAY_ATTACHED, run_dir=str(out / "attached-runs"), run_name="attached")
+        summary = simulate(config, client_app=site_app(outer_mods=(WhereMod(where),)), ray_address=address)
+        try:
+            socket.create_connection(ray_endpoint(address), timeout=5).close()
+            answers = True
+        except OSError:
+            answers = False
+        result = {
+            "summary": summary, "folder": str(out / "attached-runs" / "attached"),
+            "address": address,
+            "cluster_group": os.getpgid(head.pid), "this_pid": os.getpid(),
+            "where": [json.loads(f.read_text()) for f in sorted(where.iterdir())],
+            "ray_initialized_after": ray.is_initialized(), "cluster_answers_after": answers,
+        }
+        _write_json(out / "ray_cluster.json", result)
+    finally:
+        _stop_group(head)
+        (out / "ray_cluster.pgid").unlink(missing_ok=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _stop_group(head: subprocess.Popen) -> None:
+    """SIGTERM to the cluster's process group (``ray start --block`` stops its processes),
+    then SIGKILL to whatever of the group is left."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(head.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            head.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        time.sleep(1)  # the group's other processes exit after the leader
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    batched_runs(Path(sys.argv[1]))
+    attached_run(Path(sys.argv[1]))

@@ -1,38 +1,27 @@
 """A simulation attached to a Ray cluster it did not start (``simulate(ray_address=...)``).
 
-The fixture starts a one-node cluster on this host with ``ray start --head --block`` in a
-process group of its own and its own ``--temp-dir`` (so that no other ``ray.init()`` on the
-host finds it: the suite's Ray batch starts its own Ray meanwhile), and stops that group,
-and nothing else, afterwards: ``ray stop`` would stop every Ray on the host.
+The run itself is part 2 of the suite's Ray batch (tests/ray_batch.py, ``ray_cluster_run``):
+it starts a one-node cluster with ``ray start --head --block`` in a process group of its own
+and its own ``--temp-dir``, runs a simulation attached to it, and stops that group, and
+nothing else, afterwards (``ray stop`` would stop every Ray on the host). It runs in the
+background while the rest of the suite does: a Ray start, a run and a stop are about a
+minute of waiting on 2 cores.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from flwr.app import Context, Message
 
 from fedind.config import RunConfig
 from fedind.simulation import ray_endpoint, simulate
-from fedind.site.app import site_app
+from ray_batch import RAY_ATTACHED as TINY  # two sites, two rounds
 
 pytestmark = pytest.mark.ray_cluster
-
-TINY = dict(  # two sites, two rounds: a few seconds of training on 2 cores
-    num_server_rounds=2, num_sites=2, samples_per_site=40, local_epochs=1, batch_size=8,
-    learning_rate=0.01, model_width=8, device="cpu", seed=0,
-)
-START_SECONDS = 90.0
 
 
 def free_port() -> int:
@@ -41,85 +30,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def ray_head():
-    """``(address, pgid)`` of a running one-node Ray cluster (2 CPUs, no dashboard)."""
-    temp_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths live under it
-    port = free_port()
-    log = Path(temp_dir) / "ray-start.log"
-    command = [
-        str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}",
-        "--num-cpus=2", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
-        f"--temp-dir={temp_dir}", "--disable-usage-stats",
-    ]
-    with open(log, "wb") as out:
-        head = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        started = Path(temp_dir) / "ray_current_cluster"  # ray start writes it once the node is up
-        deadline = time.monotonic() + START_SECONDS
-        while not started.exists():
-            if head.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"`ray start --head` did not come up (exit {head.poll()}):\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}", os.getpgid(head.pid)
-    finally:
-        _stop_group(head)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _stop_group(head: subprocess.Popen) -> None:
-    """SIGTERM to the cluster's process group (``ray start --block`` stops its processes),
-    then SIGKILL to whatever of the group is left."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(head.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            head.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
-        time.sleep(1)  # the group's other processes exit after the leader
-
-
-class WhereMod:
-    """A client mod that notes where the site's ClientApp ran: its process, that process's
-    group and the Ray cluster (GCS address) it is connected to, a file per process."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def __call__(self, msg: Message, context: Context, call_next) -> Message:
-        import ray
-
-        where = {"pid": os.getpid(), "pgid": os.getpgid(0), "gcs": ray.get_runtime_context().gcs_address}
-        (self.folder / f"{os.getpid()}.json").write_text(json.dumps(where))
-        return call_next(msg, context)
-
-
-def test_a_simulation_runs_on_a_ray_cluster_it_did_not_start(ray_head, tmp_path):
-    import ray
-
-    address, cluster_group = ray_head
-    where = tmp_path / "where"
-    where.mkdir()
-    config = RunConfig(**TINY, run_dir=str(tmp_path / "runs"), run_name="attached")
-    summary = simulate(config, client_app=site_app(outer_mods=(WhereMod(where),)), ray_address=address)
-
-    folder = tmp_path / "runs" / "attached"
+def test_a_simulation_runs_on_a_ray_cluster_it_did_not_start(ray_cluster_run):
+    run = ray_cluster_run
+    folder = Path(run["folder"])
+    summary = run["summary"]
     assert json.loads((folder / "summary.json").read_text()) == summary
     rounds = (folder / "rounds.csv").read_text().splitlines()
     assert len(rounds) == 1 + TINY["num_server_rounds"]
     assert sorted(summary["per_site"]) == ["line-00", "line-01"]
-    # The sites ran in the cluster's own processes (its group, its GCS port), not in this
-    # process nor in a Ray it started; this process left the cluster, which is still up.
-    seen = [json.loads(f.read_text()) for f in where.iterdir()]
+    # The sites ran in the cluster's own processes (its group, its GCS port), not in the
+    # process that ran the simulation nor in a Ray it started; that process left the
+    # cluster, which was still up.
+    seen = run["where"]
     assert seen
-    assert {w["pgid"] for w in seen} == {cluster_group}
-    assert {ray_endpoint(w["gcs"])[1] for w in seen} == {ray_endpoint(address)[1]}
-    assert os.getpid() not in {w["pid"] for w in seen}
-    assert not ray.is_initialized()
-    socket.create_connection(ray_endpoint(address), timeout=5).close()
+    assert {w["pgid"] for w in seen} == {run["cluster_group"]}
+    assert {ray_endpoint(w["gcs"])[1] for w in seen} == {ray_endpoint(run["address"])[1]}
+    assert run["this_pid"] not in {w["pid"] for w in seen}
+    assert run["ray_initialized_after"] is False
+    assert run["cluster_answers_after"] is True
 
 
 def test_an_unreachable_cluster_fails_fast_naming_its_address(tmp_path):
