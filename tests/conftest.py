@@ -44,10 +44,12 @@ def flwr_log(caplog, monkeypatch):
 # started as soon as collection ends, so that it runs while the other tests do; those
 # tests run near the end.
 
-_RAY_BATCH: dict = {}  # "process", "out", "log"
+_RAY_BATCH: dict = {}  # "process", "out", "log", "parts"
+_RAY_FILES = {"ray_runs": "ray_runs.json", "ray_cluster_run": "ray_cluster.json"}  # fixture: what the batch writes
 
 
-def _start_ray_batch(config) -> None:
+def _start_ray_batch(config, parts=("ray_runs", "ray_cluster_run")) -> None:
+    """Start tests/ray_batch.py for the parts that ``parts`` (fixture names) need."""
     import subprocess
     import sys
     from pathlib import Path
@@ -56,23 +58,33 @@ def _start_ray_batch(config) -> None:
         return
     out = config._tmp_path_factory.mktemp("ray")
     log = open(out / "ray_batch.log", "wb")  # noqa: SIM115 - the child writes it; closed below
+    names = [{"ray_runs": "batched", "ray_cluster_run": "attached"}[p] for p in parts]  # its part names
     try:
         process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("ray_batch.py")), str(out)],
+            [sys.executable, str(Path(__file__).with_name("ray_batch.py")), str(out), *names],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,  # its group: Ray's processes too
         )
     finally:
         log.close()
-    _RAY_BATCH.update(process=process, out=out, log=out / "ray_batch.log")
+    _RAY_BATCH.update(process=process, out=out, log=out / "ray_batch.log", parts=list(parts))
 
 
 def _stop_ray_batch() -> None:
-    """Kill the batch's process group and, if it was up, the Ray cluster it started (a
-    group of its own: ``OUT/ray_cluster.pgid``)."""
+    """Let the batch finish its clean-up if its results are all written (at most 60 s),
+    else kill its process group and the Ray cluster it started, if it was up (a group of
+    its own: ``OUT/ray_cluster.pgid``)."""
     import os
     import signal
+    import subprocess
 
     process = _RAY_BATCH.get("process")
+    if process is not None and process.poll() is None and all(
+        (_RAY_BATCH["out"] / _RAY_FILES[name]).exists() for name in _RAY_BATCH["parts"]
+    ):
+        try:  # its results are written: it is stopping its cluster and removing its files
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
     if process is not None and process.poll() is None:
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -92,7 +104,7 @@ def _ray_batch_file(request, name: str, timeout: float = 900.0):
     that part is done); the batch's log in the error if it exits without it."""
     import time
 
-    _start_ray_batch(request.config)  # started at the end of collection already, normally
+    _start_ray_batch(request.config, (request.fixturename,))  # normally started at the end of collection
     process, path = _RAY_BATCH["process"], _RAY_BATCH["out"] / name
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -118,7 +130,7 @@ def ray_runs(request) -> dict:
 
     from fedind.config import RunConfig
 
-    runs = json.loads(_ray_batch_file(request, "ray_runs.json").read_text())
+    runs = json.loads(_ray_batch_file(request, _RAY_FILES["ray_runs"]).read_text())
     runs["configs"] = {name: RunConfig.from_flower(values) for name, values in runs["configs"].items()}
     runs["run_dir"] = Path(runs["run_dir"])
     return runs
@@ -130,7 +142,7 @@ def ray_cluster_run(request) -> dict:
     a Ray cluster started with ``ray start --head``, and where its sites ran."""
     import json
 
-    return json.loads(_ray_batch_file(request, "ray_cluster.json").read_text())
+    return json.loads(_ray_batch_file(request, _RAY_FILES["ray_cluster_run"]).read_text())
 
 
 # --------------------------------------------------------------------------- scenarios that start early
@@ -313,8 +325,9 @@ def pytest_collection_finish(session):
             _scenario(session.config, marker["run"], marker.get("lane"))
     for lane in _LANES.values():
         lane.start()
-    if any(_uses_ray_batch(item) for item in session.items):
-        _start_ray_batch(session.config)
+    needed = [name for name in _RAY_FIXTURES if any(name in getattr(i, "fixturenames", ()) for i in session.items)]
+    if needed:
+        _start_ray_batch(session.config, needed)
 
 
 def pytest_sessionfinish(session):

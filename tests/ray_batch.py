@@ -1,8 +1,8 @@
-"""The test suite's runs of Flower's Simulation Runtime (Ray): ``python tests/ray_batch.py OUT``.
+"""The test suite's runs of Flower's Simulation Runtime (Ray): ``python tests/ray_batch.py OUT [batched] [attached]``.
 
 tests/conftest.py starts this script in a process of its own as soon as collection ends
 (if a selected test uses ``ray_runs`` or ``ray_cluster_run``), so that Ray's start-ups
-overlap the rest of the suite. Two parts, one after the other:
+overlap the rest of the suite. Two parts, one after the other (those named; both if none):
 
 1. Three runs share one local Ray start (``simulate_many``); each is asserted on by the test
    named next to its config. This process is the ServerApp's: it may not load or build a
@@ -179,5 +179,8 @@ def _stop_group(head: subprocess.Popen) -> None:
 
 
 if __name__ == "__main__":
-    batched_runs(Path(sys.argv[1]))
-    attached_run(Path(sys.argv[1]))
+    out, parts = Path(sys.argv[1]), set(sys.argv[2:]) or {"batched", "attached"}
+    if "batched" in parts:
+        batched_runs(out)
+    if "attached" in parts:
+        attached_run(out)
