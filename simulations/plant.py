@@ -16,9 +16,9 @@ Per variant and seed: final global accuracy (test sets of every phase so far), t
 line's accuracy (each line scores the final model on its own test split), rounds to
 the target, uplink MB to the target and in total, downlink MB, all traffic, forgetting of
 phase 0, recall of the new class (mean of the last 5 rounds) and the final model's
-precision on it, the sites' CPU seconds and the site agent's peak memory (its process's
-peak RSS: with ``--runtime loopback`` every site runs in the benchmark's own process, so it
-is that process's peak). Rounds to target count to 90 % of FedAvg's mean final accuracy at
+precision on it, the mean round-to-round change of the accuracy, the sites' CPU seconds
+and the site agent's peak memory (its process's peak RSS: with ``--runtime loopback``
+every site runs in the benchmark's own process, so it is that process's peak). Rounds to target count to 90 % of FedAvg's mean final accuracy at
 that alpha (the same bar for every variant). Means over seeds with the spread, per-seed
 rows in results.json.
 
@@ -150,6 +150,7 @@ def measure(config: RunConfig) -> dict:
         "forgetting": continual.get("forgetting"),
         "new_class_recall": statistics.fmean(new_class[-5:]) if new_class else None,
         "new_class_precision": new_class_precision(config, folder),
+        "swing": round_swing(accuracy),
         "site_cpu_seconds": summary["totals"]["site_train_cpu_seconds"] + summary["totals"]["site_compress_cpu_seconds"],
         "site_peak_mb": summary["totals"].get("site_peak_rss_mb"),
         "failures": summary["totals"]["failures"],
@@ -157,6 +158,17 @@ def measure(config: RunConfig) -> dict:
         "uplink_curve": uplink,
         "downlink_curve": downlink,
     }
+
+
+def round_swing(curve: list[float]) -> float | None:
+    """Mean absolute change of the global accuracy from one round to the next, over the
+    rounds before the last (the last adds the head calibration): how far the model a site
+    publishes each round jumps. A curve of 10 points a round up and down reaches a target
+    on the round the swing allows, not only the one learning does (docs/benchmarks/plant.md)."""
+    trained = curve[:-1]
+    if len(trained) < 2:
+        return None
+    return statistics.fmean(abs(b - a) for a, b in zip(trained, trained[1:]))
 
 
 def new_class_precision(config: RunConfig, folder: Path) -> float | None:
@@ -213,6 +225,7 @@ METRICS = (  # key, header, format, better ("max" / "min")
     ("forgetting", "forgetting phase 0 (pp)", "pct", "min"),
     ("new_class_recall", "new-class recall %", "pct", "max"),
     ("new_class_precision", "new-class precision %", "pct", "max"),
+    ("swing", "round-to-round change (pp)", "pct", "min"),
     ("site_cpu_seconds", "site CPU s", "int", "min"),
     ("site_peak_mb", "agent peak MiB", "int", "min"),  # loopback runtime: all sites share one process
 )

@@ -2,7 +2,9 @@
 
 import numpy as np
 
-from simulations.plant import precision_from
+import pytest
+
+from simulations.plant import precision_from, round_swing
 
 
 def test_new_class_precision_counts_every_diagnosis_of_the_new_classes():
@@ -12,3 +14,11 @@ def test_new_class_precision_counts_every_diagnosis_of_the_new_classes():
     assert precision_from(confusion, 2) == 0.5
     assert precision_from(confusion, 1) == 9 / 10  # classes 1 and 2 together: a 1 called 2 is within them
     assert precision_from(np.array([[5, 0], [3, 0]]), 1) is None  # never diagnosed: no precision
+
+
+def test_round_swing_is_the_mean_change_between_rounds_before_the_last():
+    """0.2 -> 0.5 -> 0.3 -> 0.6, then a calibrated last round that is left out: changes
+    0.3, 0.2, 0.3."""
+    assert round_swing([0.2, 0.5, 0.3, 0.6, 0.9]) == pytest.approx(0.8 / 3)
+    assert round_swing([0.4, 0.4, 0.4]) == 0.0
+    assert round_swing([0.5, 0.9]) is None  # one trained round: no change to measure
