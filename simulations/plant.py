@@ -18,9 +18,9 @@ the target, uplink MB to the target and in total, downlink MB, all traffic, forg
 phase 0, recall of the new class (mean of the last 5 rounds) and the final model's
 precision on it, the mean round-to-round change of the accuracy, the sites' CPU seconds
 and the site agent's peak memory (its process's peak RSS: with ``--runtime loopback``
-every site runs in the benchmark's own process, so it is that process's peak). Rounds to target count to 90 % of FedAvg's mean final accuracy at
-that alpha (the same bar for every variant). Means over seeds with the spread, per-seed
-rows in results.json.
+every site runs in the benchmark's own process, so it is that process's peak). Rounds to
+target count to 90 % of FedAvg's mean final accuracy at that alpha (the same bar for every
+variant). Means over seeds with the spread, per-seed rows in results.json.
 
     python simulations/plant.py --alphas 0.1 0.3 --seeds 5 6 7 8 9            # the evidence
     python simulations/plant.py --alphas 0.1 --seeds 0 --variants FedAvgM recipe  # a quick look

@@ -45,10 +45,13 @@ def flwr_log(caplog, monkeypatch):
 # tests run near the end.
 
 _RAY_BATCH: dict = {}  # "process", "out", "log", "parts"
-_RAY_FILES = {"ray_runs": "ray_runs.json", "ray_cluster_run": "ray_cluster.json"}  # fixture: what the batch writes
+_RAY_PARTS = {  # fixture -> (tests/ray_batch.py's part that serves it, the file that part writes)
+    "ray_runs": ("batched", "ray_runs.json"),
+    "ray_cluster_run": ("attached", "ray_cluster.json"),
+}
 
 
-def _start_ray_batch(config, parts=("ray_runs", "ray_cluster_run")) -> None:
+def _start_ray_batch(config, parts=tuple(_RAY_PARTS)) -> None:
     """Start tests/ray_batch.py for the parts that ``parts`` (fixture names) need."""
     import subprocess
     import sys
@@ -58,10 +61,9 @@ def _start_ray_batch(config, parts=("ray_runs", "ray_cluster_run")) -> None:
         return
     out = config._tmp_path_factory.mktemp("ray")
     log = open(out / "ray_batch.log", "wb")  # noqa: SIM115 - the child writes it; closed below
-    names = [{"ray_runs": "batched", "ray_cluster_run": "attached"}[p] for p in parts]  # its part names
     try:
         process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("ray_batch.py")), str(out), *names],
+            [sys.executable, str(Path(__file__).with_name("ray_batch.py")), str(out), *(_RAY_PARTS[p][0] for p in parts)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,  # its group: Ray's processes too
         )
     finally:
@@ -79,7 +81,7 @@ def _stop_ray_batch() -> None:
 
     process = _RAY_BATCH.get("process")
     if process is not None and process.poll() is None and all(
-        (_RAY_BATCH["out"] / _RAY_FILES[name]).exists() for name in _RAY_BATCH["parts"]
+        (_RAY_BATCH["out"] / _RAY_PARTS[name][1]).exists() for name in _RAY_BATCH["parts"]
     ):
         try:  # its results are written: it is stopping its cluster and removing its files
             process.wait(timeout=60)
@@ -99,16 +101,18 @@ def _stop_ray_batch() -> None:
             pass
 
 
-def _ray_batch_file(request, name: str, timeout: float = 900.0):
-    """``OUT/name`` once tests/ray_batch.py has written it (it writes each part's file when
-    that part is done); the batch's log in the error if it exits without it."""
+def _ray_batch_file(request, timeout: float = 900.0):
+    """The file of the fixture ``request`` serves (:data:`_RAY_PARTS`), once tests/ray_batch.py
+    has written it (each part writes its file when it is done); the batch's log in the
+    error if it exits without it."""
     import time
 
     _start_ray_batch(request.config, (request.fixturename,))  # normally started at the end of collection
+    name = _RAY_PARTS[request.fixturename][1]
     process, path = _RAY_BATCH["process"], _RAY_BATCH["out"] / name
     deadline = time.monotonic() + timeout
     while not path.exists():
-        if process.poll() is not None and not path.exists():
+        if process.poll() is not None and not path.exists():  # again: it may have written it, then exited
             tail = _RAY_BATCH["log"].read_text(errors="replace")[-6000:]
             raise RuntimeError(f"tests/ray_batch.py exited with {process.returncode} without {name}:\n{tail}")
         if time.monotonic() > deadline:
@@ -130,7 +134,7 @@ def ray_runs(request) -> dict:
 
     from fedind.config import RunConfig
 
-    runs = json.loads(_ray_batch_file(request, _RAY_FILES["ray_runs"]).read_text())
+    runs = json.loads(_ray_batch_file(request).read_text())
     runs["configs"] = {name: RunConfig.from_flower(values) for name, values in runs["configs"].items()}
     runs["run_dir"] = Path(runs["run_dir"])
     return runs
@@ -142,7 +146,7 @@ def ray_cluster_run(request) -> dict:
     a Ray cluster started with ``ray start --head``, and where its sites ran."""
     import json
 
-    return json.loads(_ray_batch_file(request, _RAY_FILES["ray_cluster_run"]).read_text())
+    return json.loads(_ray_batch_file(request).read_text())
 
 
 # --------------------------------------------------------------------------- scenarios that start early
@@ -301,17 +305,15 @@ def pytest_configure(config):
     )
 
 
-_RAY_FIXTURES = ("ray_runs", "ray_cluster_run")
-
-
-def _uses_ray_batch(item) -> bool:
-    return any(name in getattr(item, "fixturenames", ()) for name in _RAY_FIXTURES)
+def _ray_fixtures(item) -> set[str]:
+    """The fixtures of tests/ray_batch.py that test ``item`` uses."""
+    return set(_RAY_PARTS) & set(getattr(item, "fixturenames", ()))
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests that wait for tests/ray_batch.py, then those that wait for a scenario, go last:
     the suite runs while the batch and the scenarios do."""
-    items.sort(key=lambda item: 2 if _marker(item) is not None else int(_uses_ray_batch(item)))  # stable
+    items.sort(key=lambda item: 2 if _marker(item) is not None else int(bool(_ray_fixtures(item))))  # stable
 
 
 def pytest_collection_finish(session):
@@ -325,7 +327,7 @@ def pytest_collection_finish(session):
             _scenario(session.config, marker["run"], marker.get("lane"))
     for lane in _LANES.values():
         lane.start()
-    needed = [name for name in _RAY_FIXTURES if any(name in getattr(i, "fixturenames", ()) for i in session.items)]
+    needed = [name for name in _RAY_PARTS if any(name in _ray_fixtures(item) for item in session.items)]
     if needed:
         _start_ray_batch(session.config, needed)
 

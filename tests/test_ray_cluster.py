@@ -11,7 +11,6 @@ minute of waiting on 2 cores.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -20,14 +19,9 @@ import pytest
 from fedind.config import RunConfig
 from fedind.simulation import ray_endpoint, simulate
 from ray_batch import RAY_ATTACHED as TINY  # two sites, two rounds
+from ray_batch import free_port
 
 pytestmark = pytest.mark.ray_cluster
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_simulation_runs_on_a_ray_cluster_it_did_not_start(ray_cluster_run):
