@@ -136,6 +136,7 @@ class RunConfig:
     ewc_keep: float = 1.0  # EWC: share of the Fisher's coordinates kept at each consolidation (the largest; 1 = all)
     ewc_fade_rounds: int = 0  # EWC's weight fades linearly to 0 over this many rounds after each phase end (0 = constant)
     ewc_anchor: str = "phase-end"  # EWC anchors: phase-end (the model at the last phase end) | global (the model each round starts from)
+    served_ema: float = 0.0  # the model scored and published is this EMA of the global models (sites still train from the global model; 0 = the global model itself; fedind.server.serving)
     head_calibration: bool = False  # phases: after the last round, refit the head on virtual features from the sites' per-class feature moments (CCVR)
     calibration_label_floor: float = 0.0  # head-calibration (no effect without it): a site leaves out of its moments the windows whose label the received model gives a probability below this (0 = keep all)
     young_rows: str = "refit"  # a class's head rows in the phase it grew: refit (holders' fit replaces the average) | holders (dwa averages them over its holders; other strategies refit)
@@ -180,6 +181,7 @@ class RunConfig:
             "consensus-threshold": -1 <= self.consensus_threshold < 0,
             "norm-clip": math.isfinite(self.norm_clip) and (self.norm_clip == 0 or self.norm_clip >= 1),
             "calibration-label-floor": 0 <= self.calibration_label_floor < 1,
+            "served-ema": 0 <= self.served_ema < 1,
             "alignment-release": math.isfinite(self.alignment_release) and self.alignment_release >= self.alignment_threshold,
             "compression": self.compression in COMPRESSIONS,
             "topk-ratio": 0 < self.topk_ratio <= 1,
@@ -456,6 +458,7 @@ RECIPE: dict[str, Any] = {
     "ewc_lambda": 3.0,  # EWC consolidation at phase ends (10 with three local epochs cost the narrowest line at alpha 0.1)...
     "ewc_keep": 0.1,  # ...of the 10 % of coordinates the earlier phases taught most (sparse records)...
     "ewc_anchor": "global",  # ...held near each round's global model: anchoring at the phase-end model held back a model still learning
+    "served_ema": 0.5,  # the published model averages the last global models: the plant's curve swung ~8 points a round
     "head_calibration": True,  # after the last round the head is refit on virtual features from the lines' feature moments (CCVR)
     "calibration_label_floor": 0.01,  # ...without the windows whose label the final model contradicts (a mislabelling line's)
     # with encryption = "paillier": twice the announced set in 12-bit slots, for the bytes of the 24-bit

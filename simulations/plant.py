@@ -67,9 +67,9 @@ ABSENT_ROUNDS = range(8, 15)  # ...for these rounds (phase 0, before the target 
 
 # Flower's built-ins as a plant would run them: fedind's default site training (RunConfig's
 # local-epochs, 2; the recipe trains 3; no time stretch), dense both ways, no replay, no EWC,
-# no head calibration.
+# no head calibration, the global model itself served.
 DENSE = {"local_epochs": RunConfig.local_epochs, "local_stretch": RunConfig.local_stretch, "compression": "none",
-         "downlink": "none", "replay_samples": 0, "ewc_lambda": 0.0, "head_calibration": False}
+         "downlink": "none", "replay_samples": 0, "ewc_lambda": 0.0, "head_calibration": False, "served_ema": 0.0}
 BUILTINS = {
     "FedAvg": {"strategy": "fedavg", **DENSE},
     "FedAvgM": {"strategy": "fedavgm", **DENSE},
@@ -89,6 +89,7 @@ PARTS = {
     "EWC": ({"ewc_lambda": 0.0}, {"ewc_lambda": None}),
     "calibration": ({"head_calibration": False}, {"head_calibration": True}),
     "stretch": ({"local_stretch": RunConfig.local_stretch}, {"local_stretch": None}),
+    "served": ({"served_ema": 0.0}, {"served_ema": None}),
     "screen": ({"alignment_threshold": -1.0, "consensus_threshold": -1.0}, {}),  # the screen's rules across rounds are on in every variant but this
 }
 VARIANTS: dict[str, dict] = {

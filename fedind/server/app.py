@@ -31,6 +31,7 @@ from .monitoring import RunMonitor, code_version
 from ..models import FaultCNN
 from .pipeline import ReplyPipeline
 from .screening import UpdateScreen
+from .serving import ServedModel
 from .results import RoundRow, RunRecorder, best_round, finite_or_none, package_versions, rounds_to_target, save_model
 from .rounds import run_rounds
 from .strategies import build_strategy, load_strategy_state, strategy_state
@@ -154,9 +155,10 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             pipeline=pipeline,
             secure=strategy if config.encryption == "paillier" else None,
         )
+    served = ServedModel(config.served_ema)  # what is scored and published (fedind.server.serving)
     arrays, first_round = initial, 1
     if checkpoint is not None:
-        arrays, first_round = restore_server(checkpoint, strategy, continual), checkpoint.round + 1
+        arrays, first_round = restore_server(checkpoint, strategy, continual, served), checkpoint.round + 1
         if screen is not None and "screen" in checkpoint.state:
             screen.load_state_dict(checkpoint.state["screen"])
         log(INFO, "resuming run %s at round %d from %s", folder.name, first_round, checkpoint.path)
@@ -196,6 +198,17 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         clock["round"] = time.monotonic()
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
+    def finished(server_round: int, model: ArrayRecord) -> ArrayRecord:
+        """``model``, its head calibrated on the lines' feature moments after the last round."""
+        if continual is not None and config.head_calibration and server_round == config.num_server_rounds:
+            return continual.calibrate(server_round, model)
+        return model
+
+    def publish(server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The model scored and published after ``server_round``: the served average of the
+        global models (fedind.server.serving), calibrated after the last round."""
+        return finished(server_round, served.update(arrays))
+
     def checkpoint_round(server_round: int, arrays: ArrayRecord) -> None:
         due = (config.checkpoint_interval and server_round % config.checkpoint_interval == 0) or (
             config.checkpoint_seconds and time.monotonic() - clock["checkpoint"] >= config.checkpoint_seconds
@@ -206,6 +219,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             "run_config": config.to_flower(),
             "model_keys": list(arrays.keys()),
             "strategy": strategy_state(strategy),
+            "served": served.state_dict(),
             "rng": {"python": list(random.getstate()), "torch": torch.get_rng_state().numpy()},
             "rows": [asdict(row) for row in recorder.rows],
             "initial_accuracy": recorder.initial_accuracy,
@@ -233,7 +247,10 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         after_round=checkpoint_round if (config.checkpoint_interval or config.checkpoint_seconds) else None,
         train_records=continual.train_records if continual is not None else None,
         end_of_round=continual.end_of_round if continual is not None else None,
+        serve=publish,
     )
+    if first_round > config.num_server_rounds:  # resumed after its last round: publish again
+        final = finished(config.num_server_rounds, served.current(arrays))
     per_site = evaluate_at_sites(metered, node_ids, final, run_config_json, config.round_timeout)
     summary = _finish(
         config, recorder, final, per_site, time.monotonic() - started, num_sites, site_cpu,
@@ -347,15 +364,18 @@ def resume_point(store: CheckpointStore, config: RunConfig) -> Checkpoint | None
     return checkpoint
 
 
-def restore_server(checkpoint: Checkpoint, strategy, continual: PhaseController | None = None) -> ArrayRecord:
-    """Put the strategy, the continual-learning state (EWC Fisher and anchors, classes) and
-    the server's random generators back as they were after ``checkpoint.round``; return the
-    global arrays, in the model's key order."""
+def restore_server(checkpoint: Checkpoint, strategy, continual: PhaseController | None = None,
+                   served: ServedModel | None = None) -> ArrayRecord:
+    """Put the strategy, the continual-learning state (EWC Fisher and anchors, classes), the
+    served average and the server's random generators back as they were after
+    ``checkpoint.round``; return the global arrays, in the model's key order."""
     state = checkpoint.state
     keys = state["model_keys"]
     if sorted(keys) != sorted(checkpoint.arrays):
         raise ConfigError(f"cannot resume {checkpoint.path}: model_keys do not match model.safetensors")
     load_strategy_state(strategy, state["strategy"])
+    if served is not None and "served" in state:
+        served.load_state_dict(state["served"])
     if continual is not None:
         if "continual" not in state:
             raise ConfigError(f"cannot resume {checkpoint.path}: it has no continual-learning state")

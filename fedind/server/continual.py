@@ -193,8 +193,6 @@ class PhaseController:
             arrays = self.grow(server_round, arrays, claimed, {k: r for k, r in rows.items() if k >= self.num_classes})
         if self.ewc is not None and self.ewc.phases and self.config.ewc_server_lambda > 0:
             arrays = self.damp(arrays)
-        if self.config.head_calibration and server_round == self.config.num_server_rounds:
-            arrays = self.calibrate(server_round, arrays)  # the head of the model the run ends with
         if server_round in self.config.phase_end_rounds():
             phase = self.config.phase_of(server_round)
             if phase not in self.consolidated and (self.ewc is not None or self.config.replay_samples):

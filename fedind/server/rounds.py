@@ -15,6 +15,10 @@ classes to refit), and ``end_of_round`` sees the round's train replies right aft
 aggregation and may replace the global arrays (a grown classifier head, refitted rows) or
 talk to the sites (the phase-end query) before the round is scored and checkpointed; the
 strategy then steps from the replaced arrays (:func:`fedind.server.strategies.adopt_global_model`).
+
+``serve`` turns each round's global arrays into the model that is scored and published
+(:mod:`fedind.server.serving`: an average of the last global models, calibrated after the
+last round); the sites go on training from the global arrays, which ``after_round`` checkpoints.
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ def run_rounds(
     after_round: Callable[[int, ArrayRecord], None] | None = None,
     train_records: Callable[[int], Mapping[str, ArrayRecord | ConfigRecord]] | None = None,
     end_of_round: Callable[[int, ArrayRecord, list[Message]], ArrayRecord] | None = None,
+    serve: Callable[[int, ArrayRecord], ArrayRecord] | None = None,
 ) -> ArrayRecord:
-    """Run rounds ``first_round .. num_rounds`` from global ``arrays``; return the final arrays.
+    """Run rounds ``first_round .. num_rounds`` from global ``arrays``; return the last round's
+    served model (the global arrays without ``serve``; ``arrays`` when no round runs).
 
     ``evaluate_fn(0, arrays)`` scores the starting model only when ``first_round == 1``
     (a resumed run scored it before the crash)."""
@@ -73,6 +79,7 @@ def run_rounds(
     strategy.summary()
     if first_round == 1:
         evaluate_fn(0, arrays)
+    served = arrays
     for server_round in range(first_round, num_rounds + 1):
         log(INFO, "")
         log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
@@ -98,11 +105,12 @@ def run_rounds(
             if edited is not arrays:  # the strategy steps from the edited model next round
                 adopt_global_model(strategy, edited)
             arrays = edited
+        served = serve(server_round, arrays) if serve is not None else arrays
         evaluate_replies = grid.send_and_receive(
-            strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
+            strategy.configure_evaluate(server_round, served, ConfigRecord(), grid), timeout=timeout
         )
         strategy.aggregate_evaluate(server_round, evaluate_replies)
-        evaluate_fn(server_round, arrays)
+        evaluate_fn(server_round, served)
         if after_round is not None:
             after_round(server_round, arrays)
-    return arrays
+    return served
