@@ -5,10 +5,12 @@ one round to the next (server momentum, sparse steps, lines that disagree): the 
 target is first crossed, and the model a plant happens to publish at the end, are decided
 by that swing as much as by the learning. An average of the last global models sits nearer
 the floor of the valley they oscillate across than any one of them (Polyak-Ruppert
-averaging; stochastic weight averaging, Izmailov et al. 2018). The server scores,
-publishes and calibrates that average; the sites keep training from the global model, so
-the learning itself is what it was. The average starts at round 1's model (not the
-untrained one) and restarts when the model's shapes change (a grown classifier head).
+averaging; stochastic weight averaging, Izmailov et al. 2018). The server scores and
+publishes that average each round; the sites keep training from the global model, so the
+learning itself is what it was. The average starts at round 1's model (not the untrained
+one) and restarts when the model's shapes change (a grown classifier head). After the last
+round, head calibration (where it is on) refits the global model's head, and that model is
+published instead (fedind.server.app).
 """
 
 from __future__ import annotations
