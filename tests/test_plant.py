@@ -4,7 +4,7 @@ import numpy as np
 
 import pytest
 
-from simulations.plant import precision_from, round_swing
+from simulations.plant import parse_targets, precision_from, round_swing, target_for
 
 
 def test_new_class_precision_counts_every_diagnosis_of_the_new_classes():
@@ -22,3 +22,15 @@ def test_round_swing_is_the_mean_change_between_rounds_before_the_last():
     assert round_swing([0.2, 0.5, 0.3, 0.6, 0.9]) == pytest.approx(0.8 / 3)
     assert round_swing([0.4, 0.4, 0.4]) == 0.0
     assert round_swing([0.5, 0.9]) is None  # one trained round: no change to measure
+
+
+def test_the_target_is_fedavgs_when_it_ran_else_the_one_given():
+    """90 % of FedAvg's mean final accuracy where FedAvg is among the runs; a recipe-only
+    rerun takes the target given for its alpha (--targets), so its rounds compare."""
+    runs = {("FedAvg", 0.3): [{"final_accuracy": 0.5}, {"final_accuracy": 0.52}]}
+    assert target_for(runs, 0.3, 0.9) == pytest.approx(0.459)
+    assert target_for(runs, 0.1, 0.4) == 0.4
+    assert parse_targets(["0.3=0.459", "0.1=0.400"]) == {0.3: 0.459, 0.1: 0.4}
+    for bad in ("0.3", "0.3=high", "0.3=46"):
+        with pytest.raises(SystemExit, match="ALPHA=ACCURACY"):
+            parse_targets([bad])
