@@ -25,7 +25,7 @@ variant). Means over seeds with the spread, per-seed rows in results.json.
     python simulations/plant.py --alphas 0.1 0.3 --seeds 5 6 7 8 9            # the evidence
     python simulations/plant.py --alphas 0.1 --seeds 0 --variants FedAvgM recipe  # a quick look
     python simulations/plant.py --family gearbox --alphas 0.1 --seeds 5 6       # the second data family
-    python simulations/plant.py --alphas 0.3 --variants recipe --targets 0.3=0.459  # FedAvg's target, not rerun
+    python simulations/plant.py --alphas 0.3 --variants recipe --target 0.3=0.459   # FedAvg's target, not rerun
 
 Extra ``key=value`` arguments override the run config of every run (but not a key the
 variant sets itself, e.g. the built-ins' ``local-epochs``). Writes
@@ -196,7 +196,7 @@ def precision_from(confusion: np.ndarray, first: int) -> float | None:
 def target_for(per_run: dict[tuple[str, float], list[dict]], alpha: float, default: float) -> float:
     """The accuracy target at ``alpha``: ``TARGET_SHARE`` of FedAvg's mean final accuracy
     there (the same bar for every variant, set by the baseline alone), else ``default``
-    (``--targets``: the target of an earlier run with FedAvg, for a run without it)."""
+    (``--target``: the target of an earlier run with FedAvg, for a run without it)."""
     runs = per_run.get(("FedAvg", alpha))
     return TARGET_SHARE * statistics.fmean(r["final_accuracy"] for r in runs) if runs else default
 
@@ -209,9 +209,9 @@ def parse_targets(pairs: list[str]) -> dict[float, float]:
         try:
             targets[float(alpha)] = float(target)
         except ValueError:
-            raise SystemExit(f"--targets: expected ALPHA=ACCURACY (e.g. 0.3=0.459), got {pair!r}") from None
+            raise SystemExit(f"--target: expected ALPHA=ACCURACY (e.g. 0.3=0.459), got {pair!r}") from None
         if not sep or not 0 < targets[float(alpha)] <= 1:
-            raise SystemExit(f"--targets: expected ALPHA=ACCURACY with 0 < ACCURACY <= 1, got {pair!r}")
+            raise SystemExit(f"--target: expected ALPHA=ACCURACY with 0 < ACCURACY <= 1, got {pair!r}")
     return targets
 
 
@@ -322,11 +322,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--runtime", default="ray", help="fedind.simulation runtime (ray, or loopback where available)")
     parser.add_argument("--report-only", action="store_true",
                         help="report the finished runs among those asked for; start none (rows name their seeds)")
-    parser.add_argument("--targets", nargs="+", default=[], metavar="ALPHA=ACC",
-                        help="accuracy target per alpha where FedAvg is not among the variants "
-                             "(e.g. 0.3=0.459 0.1=0.400: 90 %% of FedAvg's mean final accuracy on seeds 5-9)")
+    parser.add_argument("--target", action="append", default=[], metavar="ALPHA=ACC",
+                        help="accuracy target at ALPHA where FedAvg is not among the variants, once per "
+                             "alpha (e.g. --target 0.3=0.459: 90 %% of FedAvg's mean final accuracy on seeds 5-9)")
     args, overrides = parser.parse_known_args(argv)
-    given_targets = parse_targets(args.targets)
+    given_targets = parse_targets(args.target)
     base = parse_overrides(overrides, {**pyproject_run_config(), **SCENARIO})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

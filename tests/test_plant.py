@@ -26,7 +26,7 @@ def test_round_swing_is_the_mean_change_between_rounds_before_the_last():
 
 def test_the_target_is_fedavgs_when_it_ran_else_the_one_given():
     """90 % of FedAvg's mean final accuracy where FedAvg is among the runs; a recipe-only
-    rerun takes the target given for its alpha (--targets), so its rounds compare."""
+    rerun takes the target given for its alpha (--target), so its rounds compare."""
     runs = {("FedAvg", 0.3): [{"final_accuracy": 0.5}, {"final_accuracy": 0.52}]}
     assert target_for(runs, 0.3, 0.9) == pytest.approx(0.459)
     assert target_for(runs, 0.1, 0.4) == 0.4
