@@ -11,6 +11,7 @@ import difflib
 import functools
 import json
 import math
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -293,6 +294,12 @@ class RunConfig:
                 f"Invalid run config replay-ratio = 0.0 with replay-samples = {self.replay_samples}: "
                 "the buffer would never be replayed; set replay-ratio > 0 or replay-samples = 0"
             )
+
+    def site_seed(self, site_id: str, server_round: int) -> int:
+        """The seed of one site's randomness in one round (local shuffling, the Fisher's
+        batches, stochastic rounding under encryption): from the run's seed, the site and the
+        round only, so a run repeats bit for bit."""
+        return (self.seed * 1_000_003 + zlib.crc32(site_id.encode()) * 101 + server_round) % 2**31
 
     def phase_of(self, server_round: int) -> int:
         """The data phase of ``server_round`` (0-based; round 0, the initial model, is phase 0)."""

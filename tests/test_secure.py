@@ -685,7 +685,8 @@ def test_a_site_refuses_an_instruction_whose_digest_does_not_name_its_set(key_fi
 def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, key_files, site_side):
     """Sparse encrypted rounds end to end on the loopback runtime, real ciphertexts: every
     round aggregates every site, and the uplink is the set's ciphertexts, not the model's;
-    with the compressed downlink too, the sites get sparse steps instead of the model."""
+    with the compressed downlink too, the sites get sparse steps instead of the model. The
+    same run twice gives the same model (the stochastic rounding draws from the run's seed)."""
     from fedind.site.app import app
     from fedind.simulation import simulate
 
@@ -700,13 +701,28 @@ def test_loopback_sparse_encrypted_run_sends_the_announced_set_only(tmp_path, ke
     )
     summaries = {name: simulate(RunConfig(**common, run_name=name, **extra), client_app=site_agent, runtime="loopback")
                  for name, extra in (("sparse", dict(compression="topk")), ("dense", {}),
-                                     ("both", dict(compression="topk", downlink="topk")))}
+                                     ("both", dict(compression="topk", downlink="topk")),
+                                     ("sparse-again", dict(compression="topk")))}
     for name, summary in summaries.items():
         rows = (tmp_path / name / "rounds.csv").read_text().splitlines()[1:]
         assert summary["rounds"] == 3 and summary["totals"]["failures"] == 0
         assert all(row.split(",")[5] == "3" for row in rows)  # sites aggregated per round
     assert summaries["sparse"]["totals"]["uplink_bytes"] * 8 < summaries["dense"]["totals"]["uplink_bytes"]
     assert summaries["both"]["totals"]["downlink_bytes"] * 2 < summaries["sparse"]["totals"]["downlink_bytes"]
+    assert summaries["sparse-again"]["model_sha256"] == summaries["sparse"]["model_sha256"]
+
+
+def test_the_rounding_draws_repeat_per_site_round_and_record_and_differ_otherwise():
+    """Stochastic rounding under encryption is unbiased noise, not a secret: its draws come
+    from the run's seed, the site, the round and the record, so a run repeats."""
+    from fedind.paillier.site import rounding_rng
+
+    cfg = RunConfig(seed=3)
+    draws = lambda *key: rounding_rng(*key).random(4).tolist()  # noqa: E731
+    assert draws(cfg, "line-01", 5, "encrypted-update") == draws(cfg, "line-01", 5, "encrypted-update")
+    others = [(cfg, "line-02", 5, "encrypted-update"), (cfg, "line-01", 6, "encrypted-update"),
+              (cfg, "line-01", 5, "ewc-fisher"), (RunConfig(seed=4), "line-01", 5, "encrypted-update")]
+    assert all(draws(*key) != draws(cfg, "line-01", 5, "encrypted-update") for key in others)
 
 
 def test_the_recipe_runs_under_encryption_and_the_server_reads_no_site_s_fisher_or_moments(

@@ -10,6 +10,7 @@ sum. The round and the server's half: :mod:`fedind.server.encrypted`; the maths:
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -112,10 +113,20 @@ def model_size(arrays: Mapping) -> int:
     return int(sum(int(np.prod(a.shape)) for a in arrays.values()))
 
 
-def encrypted_side(context: Context, config: RunConfig, values: np.ndarray) -> tuple[ConfigRecord, int]:
-    """A side vector (:mod:`fedind.paillier.sums`) encrypted under the site's key: the
-    ConfigRecord and how many values were clipped; KeyFileError when the site has no key."""
-    record, clipped = encrypt_side(values, site_private_key(context, config))
+def rounding_rng(config: RunConfig, site_id: str, server_round: int, what: str) -> np.random.Generator:
+    """The draws of the stochastic rounding of ``what`` (a record name) at one site in one
+    round: from :meth:`RunConfig.site_seed`, so an encrypted run repeats bit for bit like a
+    plaintext one. They hide nothing (the ciphertexts' obfuscators do, from OS entropy);
+    they only keep the rounding unbiased."""
+    return np.random.default_rng([config.site_seed(site_id, server_round), zlib.crc32(what.encode())])
+
+
+def encrypted_side(context: Context, config: RunConfig, values: np.ndarray,
+                   rng: np.random.Generator | None = None) -> tuple[ConfigRecord, int]:
+    """A side vector (:mod:`fedind.paillier.sums`) encrypted under the site's key, rounded
+    with ``rng``: the ConfigRecord and how many values were clipped; KeyFileError when the
+    site has no key."""
+    record, clipped = encrypt_side(values, site_private_key(context, config), rng)
     return ConfigRecord(record), clipped
 
 
@@ -154,7 +165,9 @@ def paillier_mod(msg: Message, context: Context, call_next: Callable[[Message, C
         except (KeyError, TypeError, ValueError) as err:
             return Message(Error(code=REJECTED_CIPHERTEXT, reason=f"refused the train instruction: {err}"), reply_to=msg)
     feedback = _load_feedback(context, config, layout, delta.size)  # dense rounds too: the residual keeps the rounding error
-    levels, clipped = feedback.encode(delta, indices)
+    rng = rounding_rng(config, str(reply.content[wire.SITE][wire.SITE_ID]),
+                       int(msg.content[wire.CONFIG][wire.SERVER_ROUND]), wire.ENCRYPTED_UPDATE)
+    levels, clipped = feedback.encode(delta, indices, rng)
     context.state[RESIDUAL] = ArrayRecord({"residual": Array(feedback.residual)})
     vector = encrypt_levels(levels, key, config.paillier_clip, pool, coordinates=digest, layout=layout)
     content = RecordDict({name: record for name, record in reply.content.items() if name != wire.ARRAYS})

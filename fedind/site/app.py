@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import resource
 import time
-import zlib
 
 # Flower starts a process per message; on a shared host (ten agents on two cores) torch's
 # OpenMP threads spinning while they wait cost more CPU than the work: a round of ten sites
@@ -99,10 +98,6 @@ def _state(model: torch.nn.Module) -> ArrayRecord:
     return ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
 
 
-def _site_seed(config: RunConfig, site_id: str, server_round: int) -> int:
-    return (config.seed * 1_000_003 + zlib.crc32(site_id.encode()) * 101 + server_round) % 2**31
-
-
 def refit_from(msg: Message, num_classes: int) -> int:
     """The first class whose row the server asks holders to refit (``num_classes``: none)."""
     value = msg.content.config_records.get(wire.NEW_CLASSES, {}).get(wire.REFIT_FROM)
@@ -145,7 +140,7 @@ def train(msg: Message, context: Context) -> Message:
     proposal = None
     if seen > first and np.any(site.train.y >= first):
         proposal = propose_new_rows(model, site.train, seen, config.logit_adjustment, device, first=first)
-    seed = _site_seed(config, site.site_id, server_round)
+    seed = config.site_seed(site.site_id, server_round)
     torch.manual_seed(seed)
     histogram = np.bincount(train_data.y, minlength=num_classes)
     buffer = load_replay(context, config, site.site_id, train_data, num_classes)
@@ -247,7 +242,7 @@ def phase_end(msg: Message, context: Context) -> Message:
     publish_for_line(msg, context, server_round)  # the model the next round trains from
     num_classes = model.head.out_features
     data = known(site.train, num_classes)
-    seed = _site_seed(config, site.site_id, server_round)
+    seed = config.site_seed(site.site_id, server_round)
     content = RecordDict({wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
     metrics = MetricRecord({wire.NUM_EXAMPLES: data.num_examples})
     if config.replay_samples:
@@ -316,10 +311,11 @@ def _encrypt_side(msg: Message, context: Context, config: RunConfig, values: np.
     values counted in ``metrics``; the error reply when the site has no key (None otherwise).
     The crypto stack is imported here, only for encrypted runs."""
     from ..paillier.keys import KeyFileError
-    from ..paillier.site import encrypted_side
+    from ..paillier.site import encrypted_side, rounding_rng
 
+    rng = rounding_rng(config, str(content[wire.SITE][wire.SITE_ID]), int(msg.content[wire.CONFIG][wire.SERVER_ROUND]), name)
     try:
-        content[name], metrics[wire.CLIPPED_VALUES] = encrypted_side(context, config, values)
+        content[name], metrics[wire.CLIPPED_VALUES] = encrypted_side(context, config, values, rng)
     except KeyFileError as err:
         return Message(Error(code=wire.SITE_KEY_MISSING, reason=str(err)), reply_to=msg)
     return None
