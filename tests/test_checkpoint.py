@@ -257,7 +257,8 @@ def test_sigkilled_server_resumes_and_finishes_bit_identical(tmp_path):
     ServerApp under a real SuperLink."""
     from fedind.simulation import simulate
 
-    base = dict(num_server_rounds=5, num_sites=3, samples_per_site=40, local_epochs=1, run_dir=str(tmp_path))
+    # served_ema: the published model is the average of the global models, so it too must resume exactly
+    base = dict(num_server_rounds=5, num_sites=3, samples_per_site=40, local_epochs=1, served_ema=0.5, run_dir=str(tmp_path))
     killed = {**base, "run_name": "killed"}
     checkpoints = tmp_path / "killed" / "checkpoints"
     child = subprocess.Popen(
