@@ -205,13 +205,14 @@ def parse_targets(pairs: list[str]) -> dict[float, float]:
     """``["0.3=0.459", ...]`` as ``{alpha: accuracy target}``."""
     targets = {}
     for pair in pairs:
-        alpha, sep, target = pair.partition("=")
+        alpha, _, target = pair.partition("=")  # no "=": target "" fails float() below
         try:
-            targets[float(alpha)] = float(target)
+            alpha_value, target_value = float(alpha), float(target)
         except ValueError:
             raise SystemExit(f"--target: expected ALPHA=ACCURACY (e.g. 0.3=0.459), got {pair!r}") from None
-        if not sep or not 0 < targets[float(alpha)] <= 1:
+        if not 0 < target_value <= 1:
             raise SystemExit(f"--target: expected ALPHA=ACCURACY with 0 < ACCURACY <= 1, got {pair!r}")
+        targets[alpha_value] = target_value
     return targets
 
 

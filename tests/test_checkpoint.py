@@ -250,15 +250,17 @@ _CHILD = textwrap.dedent(
 def test_sigkilled_server_resumes_and_finishes_bit_identical(tmp_path):
     """A run killed after its round-3 checkpoint (SIGKILL of the whole simulation process
     group; the child holds there, so the kill lands at the same point however loaded the
-    machine is), whose newest checkpoint is then truncated, resumes from the one before and ends with exactly the
-    model of an uninterrupted run: on CPU the whole run is deterministic given the seed.
+    machine is), whose newest checkpoint is then truncated, resumes from the one before and
+    ends with exactly the model of an uninterrupted run: on CPU the whole run is
+    deterministic given the seed.
     The runs use the loopback runtime (fedind.loopback: server and sites in one process;
     that process is the one killed); tests/test_server_resume_e2e.py kills a deployed
     ServerApp under a real SuperLink."""
     from fedind.simulation import simulate
 
     # served_ema: the published model is the average of the global models, so it too must resume exactly
-    base = dict(num_server_rounds=5, num_sites=3, samples_per_site=40, local_epochs=1, served_ema=0.5, run_dir=str(tmp_path))
+    base = dict(num_server_rounds=5, num_sites=3, samples_per_site=40, local_epochs=1, served_ema=0.5,
+                run_dir=str(tmp_path))
     killed = {**base, "run_name": "killed"}
     checkpoints = tmp_path / "killed" / "checkpoints"
     child = subprocess.Popen(

@@ -122,7 +122,7 @@ def rounding_rng(config: RunConfig, site_id: str, server_round: int, what: str) 
 
 
 def encrypted_side(context: Context, config: RunConfig, values: np.ndarray,
-                   rng: np.random.Generator | None = None) -> tuple[ConfigRecord, int]:
+                   rng: np.random.Generator) -> tuple[ConfigRecord, int]:
     """A side vector (:mod:`fedind.paillier.sums`) encrypted under the site's key, rounded
     with ``rng``: the ConfigRecord and how many values were clipped; KeyFileError when the
     site has no key."""

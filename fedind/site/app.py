@@ -313,7 +313,8 @@ def _encrypt_side(msg: Message, context: Context, config: RunConfig, values: np.
     from ..paillier.keys import KeyFileError
     from ..paillier.site import encrypted_side, rounding_rng
 
-    rng = rounding_rng(config, str(content[wire.SITE][wire.SITE_ID]), int(msg.content[wire.CONFIG][wire.SERVER_ROUND]), name)
+    server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
+    rng = rounding_rng(config, str(content[wire.SITE][wire.SITE_ID]), server_round, name)
     try:
         content[name], metrics[wire.CLIPPED_VALUES] = encrypted_side(context, config, values, rng)
     except KeyFileError as err:
