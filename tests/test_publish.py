@@ -13,6 +13,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from fedind.server.checkpoint import CheckpointStore
+from flwr.app import Context, RecordDict
+
+from fedind.site.app import SERVED_ROUND, line_average
 from fedind.site.app import app as site_app
 from fedind.config import RunConfig
 from fedind.loopback import LoopbackGrid, task_identity
@@ -83,6 +86,45 @@ def test_a_folder_that_cannot_be_written_does_not_fail_training(published_run):
     assert not serve_dirs[2].exists()
     assert sorted(summary["per_site"]) == ["line-00", "line-01", "line-02"]
     assert summary["totals"]["failures"] == 0  # every site trained every round
+
+
+@pytest.fixture(scope="module")
+def averaged_run(tmp_path_factory):
+    """The same run with ``served-ema``: the server scores an average of the global models."""
+    tmp = tmp_path_factory.mktemp("publish-ema")
+    serve_dirs = [tmp / f"line-0{i}" / "models" for i in range(3)]
+    config = RunConfig(**SHORT, served_ema=0.5, run_dir=str(tmp / "runs"), run_name="ema")
+    grid = LoopbackGrid(site_app, 3, node_configs=[{"serve-dir": str(d)} for d in serve_dirs])
+    with task_identity(grid.run.run_id):
+        run_server(grid, config)
+    return tmp / "runs" / "ema", serve_dirs
+
+
+def test_with_served_ema_each_line_publishes_the_average_the_server_scores(averaged_run):
+    run, serve_dirs = averaged_run
+    checkpoints = CheckpointStore(run / "checkpoints")
+    served = {r: checkpoints.load(r).state["served"]["average"] for r in (1, 2, 3)}
+    global_2 = checkpoints.load(2).arrays
+    assert any(not np.array_equal(served[2][name], global_2[name]) for name in global_2)  # an average, not round 2's model
+    final = load_file(run / "model.safetensors")
+    for folder in serve_dirs:
+        for server_round in (1, 2):  # folded by the line from the global models it received
+            assert (folder / model_file_name(server_round)).read_bytes() == model_bytes(served[server_round], server_round)
+        # the final evaluate message carries the server's served model; published as sent
+        assert (folder / model_file_name(3)).read_bytes() == model_bytes(final, 3)
+
+
+def test_the_line_average_folds_each_round_once_and_weighs_missed_rounds():
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    model = {"w": np.full(2, 4.0, dtype=np.float32), "n": np.array(3, dtype=np.int64)}
+    first = line_average(context, model, 1, 0.5)
+    assert np.array_equal(first["w"], model["w"])  # the average starts at the first model it gets
+    assert line_average(context, {"w": np.zeros(2, np.float32), "n": model["n"]}, 1, 0.5) is None  # round 1 again
+    later = line_average(context, {"w": np.zeros(2, np.float32), "n": np.array(5, dtype=np.int64)}, 3, 0.5)
+    assert np.allclose(later["w"], 1.0) and later["n"] == 5  # round 2 missed: the old average keeps 0.5 ** 2
+    grown = line_average(context, {"w": np.ones(3, np.float32), "n": model["n"]}, 4, 0.5)
+    assert np.array_equal(grown["w"], np.ones(3, np.float32))  # a grown head restarts the average
+    assert int(context.state[SERVED_ROUND]["round"]) == 4
 
 
 def test_a_model_already_published_is_not_written_again(tmp_path):

@@ -64,7 +64,7 @@ class ServedModel:
         """The served model as it stands (``arrays`` when there is no average)."""
         if self.average is None:
             return arrays
-        return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in self.average.items()})
+        return ArrayRecord({name: Array(np.require(a, requirements="C")) for name, a in self.average.items()})
 
     def state_dict(self) -> dict:
         return {"average": dict(self.average) if self.average is not None else None}

@@ -4,8 +4,9 @@ Hyperparameters come from the run config the server sends with each message, so 
 agent behaves the same under ``flwr run``, ``run_simulation`` and a deployed SuperNode.
 Where the data is comes from the node config: ``data-dir`` (deployment, one site's folder)
 or ``partition-id`` / ``num-partitions`` (simulation). With ``serve-dir`` in the node config
-the agent also publishes every global model it receives into that folder, for the line's
-``fedind serve --watch`` (:func:`publish_for_line`).
+the agent also publishes each round's model into that folder, for the line's
+``fedind serve --watch`` (:func:`publish_for_line`: with ``served-ema`` the same average of
+the global models that the server scores).
 """
 
 from __future__ import annotations
@@ -82,16 +83,54 @@ def receive_model(msg: Message, site: SiteData, config: RunConfig) -> FaultCNN:
     return model
 
 
-def publish_for_line(msg: Message, context: Context, model_round: int) -> None:
-    """With ``serve-dir`` in the node config, publish the global model of ``msg`` (that of
-    ``model_round``) there for the line's service (:func:`fedind.edge.publish.publish_received`:
-    written once per distinct file, atomically, digest file last; a failure is a logged
-    warning, never the message's). The untrained starting model (round 0) is not published.
-    Without the key nothing is computed."""
+def publish_for_line(msg: Message, context: Context, model_round: int, as_sent: bool = False) -> None:
+    """With ``serve-dir`` in the node config, publish a model for the line's service
+    (:func:`fedind.edge.publish.publish_received`: written once per distinct file,
+    atomically, digest file last; a failure is a logged warning, never the message's).
+
+    With ``served-ema`` the line gets what the server scores: the same average of the global
+    models (:func:`line_average`), kept by the site since the server sends only the global
+    model. ``as_sent`` (the final evaluate message: the server's own served model,
+    calibrated where that is on) publishes the message's model as it is. The untrained
+    starting model (round 0) is not published. Without the key nothing is computed."""
     folder = context.node_config.get(SERVE_DIR_KEY)
     if not folder or model_round < 1:
         return
-    publish_received(str(folder), {k: v.numpy() for k, v in msg.content[wire.ARRAYS].items()}, model_round)
+    received = {k: v.numpy() for k, v in msg.content[wire.ARRAYS].items()}
+    decay = run_config_of(msg).served_ema
+    if not as_sent and decay > 0:
+        received = line_average(context, received, model_round, decay)
+        if received is None:  # this round's model is folded in and published already
+            return
+    publish_received(str(folder), received, model_round)
+
+
+SERVED_AVERAGE, SERVED_ROUND = "served-average", "served-average-round"  # context.state records
+
+
+def line_average(context: Context, model: dict[str, np.ndarray], model_round: int,
+                 decay: float) -> dict[str, np.ndarray] | None:
+    """Fold the global model of ``model_round`` into the line's average in ``context.state``
+    (saved across restarts by :mod:`fedind.site.state`) and return it; None when that
+    round is folded in already (a phase end and the next train message carry the same model).
+
+    The server folds every round's global model (:func:`fedind.server.serving.ema_step`);
+    a line that took part in every round holds the very same average (dense downlink). For
+    ``k`` rounds missed, the old average keeps ``decay ** k``: the missed models are
+    stood in for by the newest, the nearest estimate the line has."""
+    from ..server.serving import ema_step
+
+    folded = int(context.state[SERVED_ROUND]["round"]) if SERVED_ROUND in context.state else 0
+    if model_round <= folded:
+        return None
+    average = None
+    if SERVED_AVERAGE in context.state:
+        average = {k: v.numpy() for k, v in context.state[SERVED_AVERAGE].items()}
+    average = ema_step(average, model, decay ** (model_round - folded))
+    # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d: the average would restart)
+    context.state[SERVED_AVERAGE] = ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in average.items()})
+    context.state[SERVED_ROUND] = ConfigRecord({"round": int(model_round)})
+    return average
 
 
 def _state(model: torch.nn.Module) -> ArrayRecord:
@@ -217,7 +256,8 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     model = receive_model(msg, site, config)
     # The final model (the one evaluate round after the last); a strategy's per-round
     # evaluate names its round.
-    publish_for_line(msg, context, int(msg.content[wire.CONFIG].get(wire.SERVER_ROUND, config.num_server_rounds)))
+    publish_for_line(msg, context, int(msg.content[wire.CONFIG].get(wire.SERVER_ROUND, config.num_server_rounds)),
+                     as_sent=True)
     if site.test is None:
         metrics = MetricRecord({wire.NUM_EXAMPLES: 0})
     else:
