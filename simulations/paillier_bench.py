@@ -106,7 +106,8 @@ def packed(key: keys.PrivateKey, deltas: list[np.ndarray], weights: np.ndarray, 
     from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
     count, sites = deltas[0].size, len(deltas)
-    levels = [packing.quantise(d, clip, layout=layout) for d in deltas]
+    rng = np.random.default_rng(0)  # the rounding draws: seeded, so a rerun repeats
+    levels = [packing.quantise(d, clip, rng, layout=layout) for d in deltas]
     clipped = sum(c for _, c in levels)
     vectors, t_enc = cpu(lambda: [packing.encrypt_levels(lv, key, clip, layout=layout) for lv, _ in levels])
     # the same with obfuscators drawn ahead (as the site does while it trains)

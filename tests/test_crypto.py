@@ -60,7 +60,7 @@ COMPACT = Layout(value_bits=3, weight_bits=7)  # 12-bit slots: 4-bit levels, up 
 
 
 def encrypt(values, key, clip=1.0, layout=FINE):
-    levels, _ = quantise(np.asarray(values), clip, layout=layout)
+    levels, _ = quantise(np.asarray(values), clip, np.random.default_rng(0), layout=layout)
     return encrypt_levels(levels, key, clip, layout=layout)
 
 
@@ -121,13 +121,13 @@ def test_pack_unpack_roundtrip_and_refusals():
 
 
 def test_quantise_refuses_nan_and_counts_clipped():
-    levels, clipped = quantise(np.array([0.0, 2.0, -3.0, 0.5]), 1.0)
+    levels, clipped = quantise(np.array([0.0, 2.0, -3.0, 0.5]), 1.0, np.random.default_rng(0))
     assert clipped == 2 and list(levels[:3]) == [VALUE_MAX, 2 * VALUE_MAX, 0]
     assert levels[3] - VALUE_MAX in (VALUE_MAX // 2, VALUE_MAX // 2 + 1)  # 0.5 Q = 4095.5: either neighbour
     with pytest.raises(ValueError, match="NaN/Inf"):
-        quantise(np.array([0.0, np.nan]), 1.0)
+        quantise(np.array([0.0, np.nan]), 1.0, np.random.default_rng(0))
     with pytest.raises(ValueError, match="clip"):
-        quantise(np.zeros(2), 0.0)
+        quantise(np.zeros(2), 0.0, np.random.default_rng(0))
 
 
 # --------------------------------------------------------------------------- headroom / overflow
@@ -483,7 +483,7 @@ def test_pool_drawn_in_background_and_in_processes_encrypts_correctly(key):
     parallel = ObfuscatorPool(key, workers=2)
     parallel.fill(6)
     assert len(parallel) == 6
-    levels, _ = quantise(np.linspace(-0.5, 0.5, 6 * FINE.slots(key.public)), 1.0)
+    levels, _ = quantise(np.linspace(-0.5, 0.5, 6 * FINE.slots(key.public)), 1.0, np.random.default_rng(0))
     v = encrypt_levels(levels, key, 1.0, parallel)
     out = decrypt_sum(weighted_sum([v, v], [1, 1], key.public), key)
     assert np.abs(out - np.linspace(-0.5, 0.5, levels.size)).max() <= quantisation_bound(1.0) + 1e-7
@@ -599,7 +599,7 @@ def test_the_packing_headroom_holds_for_the_maximum_number_of_sites_on_a_set(key
     indices = np.arange(0, 1000, 7)
     digest = sparse.set_digest(indices, 1000, 4)
     feedback = sparse.SetFeedback(1.0)
-    levels, clipped = feedback.encode(np.full(1000, 5.0), indices)
+    levels, clipped = feedback.encode(np.full(1000, 5.0), indices, np.random.default_rng(0))
     assert clipped == indices.size and np.all(levels == 2 * packing.VALUE_MAX)
     vector = packing.encrypt_levels(levels, key, 1.0, coordinates=digest)
     aggregate = packing.weighted_sum([vector] * packing.MAX_SITES, [1] * packing.MAX_SITES, key.public)

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
 def _site_vectors(key, vectors, windows):
     """Each site's side vector encrypted, summed with weights by windows, decrypted."""
-    parsed = [parse_side(encrypt_side(v, key)[0], key.public, v.size) for v in vectors]
+    parsed = [parse_side(encrypt_side(v, key, np.random.default_rng(0))[0], key.public, v.size) for v in vectors]
     weights = packing.integer_weights(windows, packing.SIDE.max_weight)
     return packing.decrypt_sum(packing.weighted_sum(parsed, weights, key.public), key)
 
@@ -94,7 +94,7 @@ def test_the_head_is_refit_from_encrypted_moments_and_a_sum_over_the_declared_wi
         controller.declared[f"line-{site.node_id}"] = [20, 20, 20]
         instruction = Message(RecordDict({"config": ConfigRecord({})}), message_type=wire.CALIBRATE,
                               dst_node_id=site.node_id)
-        record = encrypt_side(moments_vector(moments, 3), key)[0]
+        record = encrypt_side(moments_vector(moments, 3), key, np.random.default_rng(0))[0]
         replies.append(_calibrate_reply(instruction, record, int(moments.counts.sum()), f"line-{site.node_id}"))
     from flwr.app import Array, ArrayRecord
 
@@ -154,7 +154,7 @@ def test_a_side_sum_is_decrypted_only_as_one(key_files, site_side):
     key = key_files[0]
     cfg = config(key_files)
     sites, _ = sites_for(arrays(1))
-    vectors = [parse_side(encrypt_side(np.ones(20), key)[0], key.public, 20) for _ in range(2)]
+    vectors = [parse_side(encrypt_side(np.ones(20), key, np.random.default_rng(0))[0], key.public, 20) for _ in range(2)]
     aggregate = packing.weighted_sum(vectors, [1, 1], key.public)
     for sum_of, refused in (("side", False), ("update", True), ("fisher", True)):
         query = Message(RecordDict({

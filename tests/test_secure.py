@@ -415,7 +415,7 @@ def test_the_decrypting_site_refuses_an_aggregate_of_one_site(key_files, site_si
     cfg = config(key_files)
     site = Site(1, arrays(0), 10, [10, 0, 0])
     site_side["site"] = True
-    levels, _ = packing.quantise(np.zeros(87), CLIP)
+    levels, _ = packing.quantise(np.zeros(87), CLIP, np.random.default_rng(0))
     single = packing.encrypt_levels(levels, key, CLIP)
     aggregate = packing.weighted_sum([single], [packing.MAX_SITES], key.public)
     query = Message(RecordDict({wire.ENCRYPTED_AGGREGATE: ConfigRecord(aggregate.to_config(key.public)),

@@ -195,10 +195,11 @@ class SumOutOfRange(CiphertextError):
 
 
 def quantise(
-    values: np.ndarray, clip: float, rng: np.random.Generator | None = None, layout: Layout = FINE
+    values: np.ndarray, clip: float, rng: np.random.Generator, layout: Layout = FINE
 ) -> tuple[np.ndarray, int]:
     """``(levels int64 in [0, 2Q], number of clipped values)`` of finite float ``values``,
-    rounded stochastically (unbiased: module docstring); ``rng`` defaults to fresh OS entropy."""
+    rounded stochastically (unbiased: module docstring) with draws from ``rng``, which the
+    caller seeds (a site: :func:`fedind.paillier.site.rounding_rng`), so a run repeats."""
     if not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"Invalid clip value: {clip!r}")
     x = np.asarray(values, dtype=np.float64).ravel()
@@ -207,7 +208,6 @@ def quantise(
     clipped = int(np.count_nonzero(np.abs(x) > clip))
     q = layout.value_max
     scaled = np.clip(x, -clip, clip) * (q / clip)  # in [-Q, Q]
-    rng = rng if rng is not None else np.random.default_rng()
     levels = np.floor(scaled + rng.random(scaled.size)).astype(np.int64)
     return np.clip(levels, -q, q) + q, clipped
 

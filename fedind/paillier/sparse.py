@@ -146,7 +146,7 @@ class SetFeedback:
         self.residual: np.ndarray | None = None
 
     def encode(
-        self, update: np.ndarray, indices: np.ndarray | None, rng: np.random.Generator | None = None
+        self, update: np.ndarray, indices: np.ndarray | None, rng: np.random.Generator
     ) -> tuple[np.ndarray, int]:
         """``(levels of u' on indices, number clipped)``; ``indices`` None: every coordinate (a
         dense round, whose residual keeps the clipped excess and the rounding error). The

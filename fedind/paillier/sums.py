@@ -60,7 +60,7 @@ def unflatten(flat: np.ndarray, shapes: Mapping[str, tuple]) -> dict[str, np.nda
     return out
 
 
-def encrypt_side(values: np.ndarray, key: PrivateKey, rng: np.random.Generator | None = None) -> tuple[dict, int]:
+def encrypt_side(values: np.ndarray, key: PrivateKey, rng: np.random.Generator) -> tuple[dict, int]:
     """``(ConfigRecord content, number of values clipped to the side clip)`` of one site's
     side vector (stochastic rounding: its mean is exact)."""
     levels, clipped = quantise(values, SIDE_CLIP, rng, SIDE)
