@@ -182,7 +182,7 @@ class LocalPlant:
 
     def start_supernode(
         self, site: str, data_dir: Path, key: Path | None = None, ca: Path | None = None, name: str | None = None,
-        paillier_key: Path | None = None,
+        paillier_key: Path | None = None, serve_dir: Path | None = None,
     ) -> Proc:
         args = [
             DEPLOY / "supernode.sh",
@@ -192,7 +192,7 @@ class LocalPlant:
             "--data-dir", data_dir,
             "--state-dir", self.state_dir(site),
             "--port", free_port(),
-        ] + (["--paillier-key", paillier_key] if paillier_key else [])
+        ] + (["--paillier-key", paillier_key] if paillier_key else []) + (["--serve-dir", serve_dir] if serve_dir else [])
         return self.start(name or f"supernode-{site}", args, flwr_home=self.site_home(site))
 
     def online_nodes(self) -> int:

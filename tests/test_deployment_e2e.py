@@ -19,6 +19,10 @@ import urllib.request
 import pytest
 
 from deploy_harness import BIN, free_port
+from safetensors.numpy import load_file
+
+from fedind.edge.publish import model_bytes, model_file_name
+from fedind.server.checkpoint import CheckpointStore
 from fedind.site.state import load_state
 
 pytestmark = [
@@ -97,13 +101,15 @@ def scrape_while(alive, port: int, seen: dict) -> None:
 
 def a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant, lane: dict | None = None):
     data = plant.root / "data"
-    nodes = {site: plant.start_supernode(site, data / "sites" / site) for site in SITES}
+    serve_dirs = {site: plant.root / "sites" / site / "models" for site in SITES}
+    nodes = {site: plant.start_supernode(site, data / "sites" / site, serve_dir=serve_dirs[site]) for site in SITES}
     plant.wait_online(list(nodes.values()))  # 3 SuperNodes online
 
     metrics_port = free_port()
     run_config = (
-        f"data-root='{data}' run-dir='{plant.root / 'runs'}' run-name='e2e' num-server-rounds=2 local-epochs=1 "
-        f"model-width=8 compression='topk' topk-ratio=0.1 round-timeout=120.0 metrics-port={metrics_port} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0 head-calibration=false"
+        f"data-root='{data}' run-dir='{plant.root / 'runs'}' run-name='e2e' num-server-rounds=3 local-epochs=1 "
+        f"model-width=8 compression='topk' topk-ratio=0.1 round-timeout=120.0 metrics-port={metrics_port} phases=1 phase-rounds=0 replay-samples=0 ewc-lambda=0 head-calibration=false "
+        f"served-ema=0.5 checkpoint-interval=1 downlink='none'"  # dense downlink: the lines hold the global models
     )
     run = plant.start("flwr-run", [BIN / "flwr", "run", ".", plant.connection, "--stream", "--run-config", run_config])
     seen: dict[str, float] = {}
@@ -117,19 +123,20 @@ def a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant, lan
     plant.wait_for(lambda: "Sent successfully" in nodes["line-00"].text(), 150, "line-00's round-1 reply", run)
     before = load_state(next(plant.state_dir("line-00").glob("run-*")))
     plant.stop(nodes["line-00"], signal.SIGTERM)
-    restarted = plant.start_supernode("line-00", data / "sites" / "line-00", name="supernode-line-00-restarted")
+    restarted = plant.start_supernode("line-00", data / "sites" / "line-00", name="supernode-line-00-restarted",
+                                      serve_dir=serve_dirs["line-00"])
     if lane is not None:  # the SuperNodes the next scenario of the lane may use
         lane["supernodes"] = {**nodes, "line-00": restarted}
 
     assert run.popen.wait(timeout=240) == 0, run.text()[-4000:]
     scraper.join(timeout=5)
     log = run.text()
-    assert "fedind run 'e2e' finished: 2 rounds, 3 sites" in log
+    assert "fedind run 'e2e' finished: 3 rounds, 3 sites" in log
 
     # Results and audit trail.
     folder = plant.root / "runs" / "e2e"
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["rounds"] == 2 and summary["sites"] == 3
+    assert summary["rounds"] == 3 and summary["sites"] == 3
     assert len(summary["model_sha256"]) == 64 and (folder / "model.safetensors").exists()
     assert summary["config"]["compression"] == "topk" and summary["config"]["metrics-port"] == metrics_port
     assert len(summary["code_version"]["source_sha256"]) == 64 and summary["code_version"]["fedind"]
@@ -150,6 +157,14 @@ def a_run_completes_and_a_restarted_site_resumes_with_its_saved_state(plant, lan
     assert "restored site state" in restarted.text()
     for site in SITES[1:]:  # the others never restarted
         assert load_state(next(plant.state_dir(site).glob("run-*")))[1]["restores"] == 0
+
+    # Each line's service got the model the server scores: the agents (a process per
+    # message) folded the global models into the same average in their saved state
+    # (byte for byte with the dense downlink; the sparse one's lines average their mirrors).
+    served_2 = CheckpointStore(folder / "checkpoints").load(2).state["served"]["average"]
+    for site in SITES[1:]:  # line-00 may have missed round 2 while it restarted
+        assert (serve_dirs[site] / model_file_name(2)).read_bytes() == model_bytes(served_2, 2)
+        assert (serve_dirs[site] / model_file_name(3)).read_bytes() == model_bytes(load_file(folder / "model.safetensors"), 3)
 
     # Prometheus saw the run while it was going.
     assert seen.get("fedind_rounds_completed_total", 0) >= 1
