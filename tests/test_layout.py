@@ -17,7 +17,7 @@ PACKAGE = ROOT / "fedind"
 
 # The pure parts: numpy, torch, phe and gmpy2, no Flower.
 PURE = (
-    "fedind.aggregation.weighting", "fedind.aggregation.conflicts",
+    "fedind.aggregation.weighting", "fedind.aggregation.conflicts", "fedind.aggregation.averaging",
     "fedind.topk.selection", "fedind.topk.feedback", "fedind.topk.blocks", "fedind.topk.codec",
     "fedind.paillier.keys", "fedind.paillier.packing",
     "fedind.continual.phases", "fedind.continual.replay", "fedind.continual.ewc", "fedind.continual.expansion",

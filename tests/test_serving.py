@@ -8,7 +8,8 @@ import pytest
 from flwr.app import Array, ArrayRecord
 
 from fedind.server.checkpoint import CheckpointStore
-from fedind.server.serving import ServedModel, ema_step
+from fedind.aggregation.averaging import ema_step
+from fedind.server.serving import ServedModel
 
 
 def _model(value: float, classes: int = 3) -> dict[str, np.ndarray]:

@@ -1,4 +1,5 @@
-"""Server-side aggregation maths: DWA weights, conflict detection, momentum buffer.
+"""Aggregation maths: DWA weights, conflict detection, momentum buffer, centered clipping,
+and the running average of the served model (which the sites keep too).
 
 Pure numpy, no Flower or torch: the strategy (:mod:`fedind.server.dwa`) composes these
 functions and only moves records around. Every rule is stated as a formula in its

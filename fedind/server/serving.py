@@ -20,26 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-
-def ema_step(average: Mapping[str, np.ndarray] | None, model: Mapping[str, np.ndarray],
-             decay: float) -> dict[str, np.ndarray]:
-    """``decay * average + (1 - decay) * model`` per array, in ``model``'s dtypes.
-
-    ``model`` alone when there is no average yet or any name or shape differs (the average
-    restarts); integer arrays (BatchNorm's batch counter) are taken from ``model``."""
-    if average is None or average.keys() != model.keys() or any(
-        np.shape(average[name]) != np.shape(model[name]) for name in model
-    ):
-        return {name: np.array(array, copy=True) for name, array in model.items()}
-    out = {}
-    for name, array in model.items():
-        array = np.asarray(array)
-        if np.issubdtype(array.dtype, np.floating):
-            mixed = decay * np.asarray(average[name], dtype=np.float64) + (1.0 - decay) * array
-            out[name] = mixed.astype(array.dtype)
-        else:
-            out[name] = np.array(array, copy=True)
-    return out
+from ..aggregation.averaging import ema_step
 
 
 class ServedModel:

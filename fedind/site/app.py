@@ -43,6 +43,7 @@ from ..data.sources import SiteData, site_from_dir, site_from_partition
 from ..topk.downlink import downlink_mod
 from ..continual.ewc import diagonal_fisher, focus
 from ..models import FaultCNN
+from ..aggregation.averaging import ema_step
 from ..edge.publish import SERVE_DIR_KEY, publish_received
 from ..training import (
     TrainResult, cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts,
@@ -114,12 +115,10 @@ def line_average(context: Context, model: dict[str, np.ndarray], model_round: in
     (saved across restarts by :mod:`fedind.site.state`) and return it; None when that
     round is folded in already (a phase end and the next train message carry the same model).
 
-    The server folds every round's global model (:func:`fedind.server.serving.ema_step`);
+    The server folds every round's global model (:func:`fedind.aggregation.averaging.ema_step`);
     a line that took part in every round holds the very same average (dense downlink). For
     ``k`` rounds missed, the old average keeps ``decay ** k``: the missed models are
     stood in for by the newest, the nearest estimate the line has."""
-    from ..server.serving import ema_step
-
     folded = int(context.state[SERVED_ROUND]["round"]) if SERVED_ROUND in context.state else 0
     if model_round <= folded:
         return None
