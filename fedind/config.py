@@ -59,6 +59,7 @@ class RunConfig:
     local_grad_clip: float = 1.0  # site SGD: clip each step's gradient to this L2 norm (0 = off)
     local_stretch: float = 1.0  # site SGD: each batch time-scaled by a factor in [1/r, r] (other lines' speeds); 1 = off
     local_stretch_phase: int = 0  # first data phase whose batches are stretched (0 = from the start; 1 = once conditions first change)
+    local_stretch_delay: int = 0  # local-stretch: its first rounds trained plain (the gearboxes' sparse uplink stalled at chance when the stretch came from round 1)
     local_stretch_ramp: int = 0  # the stretch grows over this many rounds from its start: r**(k/ramp) in its k-th round (0 = whole at once)
     logit_adjustment: float = 0.5  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
@@ -160,6 +161,7 @@ class RunConfig:
             "local-stretch": math.isfinite(self.local_stretch) and self.local_stretch >= 1,
             "local-stretch-phase": self.local_stretch_phase >= 0,
             "local-stretch-ramp": self.local_stretch_ramp >= 0,
+            "local-stretch-delay": self.local_stretch_delay >= 0,
             "logit-adjustment": math.isfinite(self.logit_adjustment) and self.logit_adjustment >= 0,
             "model-width": self.model_width >= 4 and self.model_width % 4 == 0,
             "proximal-mu": self.proximal_mu >= 0,
@@ -309,14 +311,17 @@ class RunConfig:
 
     def local_stretch_at(self, server_round: int) -> float:
         """The time stretch the sites train ``server_round`` with: 1 (off) before data phase
-        ``local-stretch-phase``, then ``local-stretch`` = r, or with ``local-stretch-ramp`` = K
-        ``r ** (k / K)`` in the k-th round of the stretch (k = 1..K): the plain task is learnt
-        before the harder, stretched one. From phase 1, static data never stretches."""
+        ``local-stretch-phase`` and in that phase's first ``local-stretch-delay`` rounds, then
+        ``local-stretch`` = r, or with ``local-stretch-ramp`` = K ``r ** (k / K)`` in the k-th
+        stretched round (k = 1..K): the plain task is learnt before the harder, stretched one.
+        From phase 1, static data never stretches."""
         if self.local_stretch == 1.0 or self.phase_of(server_round) < self.local_stretch_phase:
+            return 1.0
+        k = server_round - self.local_stretch_phase * self.phase_rounds - self.local_stretch_delay
+        if k < 1:
             return 1.0
         if self.local_stretch_ramp == 0:
             return self.local_stretch
-        k = server_round - self.local_stretch_phase * self.phase_rounds
         return float(self.local_stretch ** (min(k, self.local_stretch_ramp) / self.local_stretch_ramp))
 
     def lr_progress(self, server_round: int) -> float:

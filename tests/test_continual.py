@@ -135,6 +135,19 @@ def test_local_stretch_ramps_up_from_its_start():
         RunConfig(local_stretch_ramp=-2)
 
 
+def test_local_stretch_waits_its_delay_then_ramps():
+    """``local-stretch-delay`` d: the stretch's first d rounds train plain; a ramp counts
+    from the first stretched round."""
+    delayed = RunConfig(local_stretch=1.25, local_stretch_delay=3, phases=2, phase_rounds=8, num_server_rounds=16)
+    assert [delayed.local_stretch_at(r) for r in (1, 3, 4, 9, 16)] == [1.0, 1.0, 1.25, 1.25, 1.25]
+    ramped = replace(delayed, local_stretch_ramp=2)
+    assert [ramped.local_stretch_at(r) for r in (3, 4, 5, 6)] == pytest.approx([1.0, 1.25 ** 0.5, 1.25, 1.25])
+    later = replace(delayed, local_stretch_phase=1)
+    assert [later.local_stretch_at(r) for r in (4, 9, 11, 12)] == [1.0, 1.0, 1.0, 1.25]
+    with pytest.raises(ConfigError, match="local-stretch-delay"):
+        RunConfig(local_stretch_delay=-1)
+
+
 # --------------------------------------------------------------------------- drifting data
 
 
