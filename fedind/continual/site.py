@@ -9,13 +9,12 @@ ArrayRecord ``replay-buffer`` (:meth:`ReplayBuffer.state_dict`) and ConfigRecord
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import ConfigRecord, Context, Message
 
 from .. import wire
+from ..records import array_record
 from ..config import RunConfig
 from ..data.format import SiteArrays
 from .ewc import EWCPenalty
@@ -58,7 +57,7 @@ def load_replay(
 
 def save_replay(context: Context, buffer: ReplayBuffer, offered_phase: int) -> None:
     state = buffer.state_dict()
-    context.state[REPLAY_STATE] = _record(state)
+    context.state[REPLAY_STATE] = array_record(state)
     context.state[REPLAY_META] = ConfigRecord({"offered-phase": int(offered_phase)})
 
 
@@ -114,8 +113,4 @@ def pad_residuals(context: Context, key: str, num_classes: int) -> None:
     rows = arrays.get("head.bias")
     if rows is not None and rows.shape[0] < num_classes:
         padded = pad_head_rows(arrays, num_classes)
-        context.state[key] = _record(padded)
-
-
-def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({name: Array(np.ascontiguousarray(v)) for name, v in arrays.items()})
+        context.state[key] = array_record(padded)

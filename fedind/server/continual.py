@@ -39,12 +39,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from .. import wire
+from ..records import array_record
 from ..config import RunConfig
 from ..continual.phases import (
     check_row_proposal,
@@ -154,9 +155,9 @@ class PhaseController:
         if self.ewc is None or not self.ewc.phases:
             return {}
         if self._records is None:
-            self._records = {wire.EWC_FISHER: _record(self.ewc.fisher)}
+            self._records = {wire.EWC_FISHER: array_record(self.ewc.fisher)}
             if self.config.ewc_anchor == "phase-end":  # global: the sites anchor at the model they receive
-                self._records[wire.EWC_ANCHORS] = _record(self.ewc.anchors)
+                self._records[wire.EWC_ANCHORS] = array_record(self.ewc.anchors)
         return self._records
 
     def end_of_round(self, server_round: int, arrays: ArrayRecord, replies: list[Message]) -> ArrayRecord:
@@ -185,7 +186,7 @@ class PhaseController:
         rows = self._proposed_rows(server_round, arrays, first, claimed, proposing)
         young = {k: r for k, r in rows.items() if k < self.num_classes}
         if young:  # their holders' fit replaces the average, in which the others diluted them
-            arrays = _record(set_head_rows(_numpy(arrays), young))
+            arrays = array_record(set_head_rows(_numpy(arrays), young))
             reset_strategy_rows(self.strategy, arrays, sorted(young))  # no momentum for steps not taken
         if claimed > self.num_classes:
             if self.young_from is None:
@@ -233,7 +234,7 @@ class PhaseController:
         """Grow the global head to ``num_classes`` and everything that follows it; new classes
         in ``rows`` start from those rows (:func:`fedind.continual.expansion.expand_head`)."""
         old = self.num_classes
-        arrays = _record(expand_head(_numpy(arrays), num_classes, new_rows=rows))
+        arrays = array_record(expand_head(_numpy(arrays), num_classes, new_rows=rows))
         grow_strategy_classes(self.strategy, arrays, num_classes)
         if self.pipeline is not None:
             self.pipeline.grow_classes(num_classes)
@@ -252,7 +253,7 @@ class PhaseController:
         """The server's EWC step (``ewc-server-lambda``): each coordinate's drift from its
         anchor damped by ``1 / (1 + kappa F)`` (:func:`fedind.continual.ewc.server_consolidation`)."""
         kappa = self.config.ewc_server_lambda
-        return _record(server_consolidation(_numpy(arrays), self.ewc.fisher, self.ewc.anchors, kappa))
+        return array_record(server_consolidation(_numpy(arrays), self.ewc.fisher, self.ewc.anchors, kappa))
 
     def end_phase(self, server_round: int, phase: int, arrays: ArrayRecord) -> None:
         """The phase-end query: sites offer their batch to their buffer and (EWC) send
@@ -345,7 +346,7 @@ class PhaseController:
                                               seed=self.config.seed * 1_000_003 + server_round)
         log(INFO, "round %d: head calibrated on the feature moments of %d sites (%d windows, %d classes)",
             server_round, sites, int(counts.sum()), np.count_nonzero(counts))
-        edited = _record({**_numpy(arrays), HEAD_WEIGHT: new_weight, HEAD_BIAS: new_bias})
+        edited = array_record({**_numpy(arrays), HEAD_WEIGHT: new_weight, HEAD_BIAS: new_bias})
         reset_strategy_rows(self.strategy, edited, range(weight.shape[0]))
         return edited
 
@@ -520,10 +521,6 @@ def _reported(reply: Message) -> tuple[str, Mapping, Mapping | None, tuple[int, 
     except InvalidUpdate:
         histogram = None
     return site_id_of(reply), metrics, reply.content.config_records.get(wire.NEW_CLASSES), histogram
-
-
-def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({name: Array(np.ascontiguousarray(v)) for name, v in arrays.items()})
 
 
 def _numpy(arrays: ArrayRecord) -> dict[str, np.ndarray]:

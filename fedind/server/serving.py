@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
+from flwr.app import ArrayRecord
 
 from ..aggregation.averaging import ema_step
+from ..records import array_record
 
 
 class ServedModel:
@@ -45,7 +46,7 @@ class ServedModel:
         """The served model as it stands (``arrays`` when there is no average)."""
         if self.average is None:
             return arrays
-        return ArrayRecord({name: Array(np.require(a, requirements="C")) for name, a in self.average.items()})
+        return array_record(self.average)
 
     def state_dict(self) -> dict:
         return {"average": dict(self.average) if self.average is not None else None}

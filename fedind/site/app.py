@@ -23,10 +23,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from .. import wire
+from ..records import array_record, numpy_arrays
 from ..config import RunConfig
 from ..continual.calibration import agreeing, class_moments, encode_moments, moments_vector
 from ..continual.phases import classes_seen, evaluate_known, known, propose_new_rows
@@ -84,7 +85,8 @@ def receive_model(msg: Message, site: SiteData, config: RunConfig) -> FaultCNN:
     return model
 
 
-def publish_for_line(msg: Message, context: Context, model_round: int, as_sent: bool = False) -> None:
+def publish_for_line(msg: Message, context: Context, config: RunConfig, model_round: int,
+                     as_sent: bool = False) -> None:
     """With ``serve-dir`` in the node config, publish a model for the line's service
     (:func:`fedind.edge.publish.publish_received`: written once per distinct file,
     atomically, digest file last; a failure is a logged warning, never the message's).
@@ -97,10 +99,9 @@ def publish_for_line(msg: Message, context: Context, model_round: int, as_sent: 
     folder = context.node_config.get(SERVE_DIR_KEY)
     if not folder or model_round < 1:
         return
-    received = {k: v.numpy() for k, v in msg.content[wire.ARRAYS].items()}
-    decay = run_config_of(msg).served_ema
-    if not as_sent and decay > 0:
-        received = line_average(context, received, model_round, decay)
+    received = numpy_arrays(msg.content[wire.ARRAYS])
+    if not as_sent and config.served_ema > 0:
+        received = line_average(context, received, model_round, config.served_ema)
         if received is None:  # this round's model is folded in and published already
             return
     publish_received(str(folder), received, model_round)
@@ -124,10 +125,9 @@ def line_average(context: Context, model: dict[str, np.ndarray], model_round: in
         return None
     average = None
     if SERVED_AVERAGE in context.state:
-        average = {k: v.numpy() for k, v in context.state[SERVED_AVERAGE].items()}
+        average = numpy_arrays(context.state[SERVED_AVERAGE])
     average = ema_step(average, model, decay ** (model_round - folded))
-    # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d: the average would restart)
-    context.state[SERVED_AVERAGE] = ArrayRecord({k: Array(np.require(v, requirements="C")) for k, v in average.items()})
+    context.state[SERVED_AVERAGE] = array_record(average)  # a 0-d array stays 0-d, or the average would restart
     context.state[SERVED_ROUND] = ConfigRecord({"round": int(model_round)})
     return average
 
@@ -165,7 +165,7 @@ def train(msg: Message, context: Context) -> Message:
     site = load_site_data(context, config, config.phase_of(server_round))
     device = pick_device(config.device)
     model = receive_model(msg, site, config)
-    publish_for_line(msg, context, server_round - 1)  # the global model after the previous round
+    publish_for_line(msg, context, config, server_round - 1)  # the global model after the previous round
     num_classes = model.head.out_features
     # New classes (phases > 1) wait until the head has them; classes-seen tells the server.
     train_data = known(site.train, num_classes)
@@ -255,8 +255,8 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     model = receive_model(msg, site, config)
     # The final model (the one evaluate round after the last); a strategy's per-round
     # evaluate names its round.
-    publish_for_line(msg, context, int(msg.content[wire.CONFIG].get(wire.SERVER_ROUND, config.num_server_rounds)),
-                     as_sent=True)
+    publish_for_line(msg, context, config,
+                     int(msg.content[wire.CONFIG].get(wire.SERVER_ROUND, config.num_server_rounds)), as_sent=True)
     if site.test is None:
         metrics = MetricRecord({wire.NUM_EXAMPLES: 0})
     else:
@@ -278,7 +278,7 @@ def phase_end(msg: Message, context: Context) -> Message:
     device = pick_device(config.device)
     model = receive_model(msg, site, config)
     server_round = int(msg.content[wire.CONFIG][wire.SERVER_ROUND])
-    publish_for_line(msg, context, server_round)  # the model the next round trains from
+    publish_for_line(msg, context, config, server_round)  # the model the next round trains from
     num_classes = model.head.out_features
     data = known(site.train, num_classes)
     seed = config.site_seed(site.site_id, server_round)
@@ -306,7 +306,7 @@ def phase_end(msg: Message, context: Context) -> Message:
             if refused is not None:
                 return refused
         else:
-            content[wire.EWC_FISHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in fisher.items()})
+            content[wire.EWC_FISHER] = array_record(fisher)
     content[wire.METRICS] = metrics
     return Message(content=content, reply_to=msg)
 

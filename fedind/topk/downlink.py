@@ -40,9 +40,10 @@ import json
 from collections.abc import Callable, Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict
 
 from .. import wire
+from ..records import array_record, numpy_arrays
 from .codec import PayloadError, decode, encode, expected_of, from_record, to_record
 from .feedback import ErrorFeedback
 
@@ -147,14 +148,6 @@ def unpack_sparse(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
-    return {name: array.numpy() for name, array in record.items()}
-
-
-def _record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({name: Array(np.ascontiguousarray(a)) for name, a in arrays.items()})
-
-
 def _is_float_model(arrays: Mapping[str, np.ndarray]) -> bool:
     return all(np.issubdtype(np.asarray(a).dtype, np.floating) for a in arrays.values())
 
@@ -209,7 +202,7 @@ class CompressedDownlink:
             # A calibration query needs the sites' features under G itself: its step is the
             # whole gap, int8 (SYNC_MODE), so P_t = G_t up to the rounding of the gap.
             sync = message.metadata.message_type in SYNC_MESSAGES
-            self._advance(_numpy(global_record), 1.0 if sync else self.ratio, SYNC_MODE if sync else self.mode,
+            self._advance(numpy_arrays(global_record), 1.0 if sync else self.ratio, SYNC_MODE if sync else self.mode,
                           0.0 if sync else self.momentum)
             self._round_key, self._records = key, {}
         base, payload, whole, new = self._step
@@ -226,20 +219,20 @@ class CompressedDownlink:
                 downlink[wire.DOWNLINK_MOMENTUM] = 0.0 if message.metadata.message_type in SYNC_MESSAGES else self.momentum
             content[wire.DOWNLINK_STEP] = to_record(payload)
             if whole:
-                content[wire.DOWNLINK_WHOLE] = _record({k: self.broadcast[k] for k in whole})
+                content[wire.DOWNLINK_WHOLE] = array_record({k: self.broadcast[k] for k in whole})
         elif self.initial is not None and self.initial[0] == new and node not in self._no_init:
             downlink[wire.DOWNLINK_INIT] = json.dumps(self.initial[1], sort_keys=True)  # the site builds it
             self._init_sent.add(node)
         else:
-            content[wire.ARRAYS] = _record(self.broadcast)
+            content[wire.ARRAYS] = array_record(self.broadcast)
             if self.momentum and self.velocity:  # the site predicts its next step from it
-                content[wire.DOWNLINK_VELOCITY] = _record(self.velocity)
+                content[wire.DOWNLINK_VELOCITY] = array_record(self.velocity)
         sent = {wire.ARRAYS: new}
         for name, record in message.content.array_records.items():  # records the site may hold already
             if name == wire.ARRAYS:
                 continue
             if id(record) not in self._records:
-                values = _numpy(record)
+                values = numpy_arrays(record)
                 self._records[id(record)] = (digest(values), pack_sparse(values))
             token, packed = self._records[id(record)]
             sent[name] = token
@@ -248,7 +241,7 @@ class CompressedDownlink:
                 downlink[f"{wire.CACHED_RECORD}{name}"] = token
             elif packed is not None:
                 del content[name]
-                content[f"{wire.SPARSE_RECORD}{name}"] = _record(packed)
+                content[f"{wire.SPARSE_RECORD}{name}"] = array_record(packed)
         config = message.content.config_records.get(wire.CONFIG)
         if config is not None and wire.RUN_CONFIG in config:  # the same JSON text every round
             token = text_digest(str(config[wire.RUN_CONFIG]))
@@ -308,10 +301,10 @@ class CompressedDownlink:
             return reply
         gap = self._gap  # the round's G_t - P_t
         # A dense reply holds P_t + delta (the site trained from P_t); the strategy expects G_t + delta.
-        weights = _numpy(reply.content[wire.ARRAYS])
+        weights = numpy_arrays(reply.content[wire.ARRAYS])
         rebased = {k: (w + gap[k]).astype(w.dtype) if k in gap else w for k, w in weights.items()}
         content = RecordDict(dict(reply.content.items()))
-        content[wire.ARRAYS] = _record(rebased)
+        content[wire.ARRAYS] = array_record(rebased)
         return Message(content, reply_to=instruction)
 
     def settle(self, accepted: set[int]) -> None:
@@ -359,9 +352,9 @@ def downlink_mod(msg: Message, context: Context, call_next: Callable[[Message, C
         return reply
     content = RecordDict(dict(reply.content.items()))
     for name, record in reply.content.array_records.items():  # e.g. a phase-end Fisher, focused
-        if name != wire.ARRAYS and (packed := pack_sparse(_numpy(record))) is not None:
+        if name != wire.ARRAYS and (packed := pack_sparse(numpy_arrays(record))) is not None:
             del content[name]
-            content[f"{wire.SPARSE_RECORD}{name}"] = _record(packed)
+            content[f"{wire.SPARSE_RECORD}{name}"] = array_record(packed)
     # Confirm the model this site now holds: only then does the server send it steps (a
     # plain Flower client never confirms, and gets whole models).
     held = context.state.config_records[HELD][wire.ARRAYS]
@@ -376,7 +369,7 @@ def _with_unpacked(message: Message) -> Message:
         return message
     content = RecordDict({k: v for k, v in message.content.items() if k not in packed})
     for name in packed:
-        content[name[len(wire.SPARSE_RECORD):]] = _record(unpack_sparse(_numpy(message.content[name])))
+        content[name[len(wire.SPARSE_RECORD):]] = array_record(unpack_sparse(numpy_arrays(message.content[name])))
     message.content = content
     return message
 
@@ -396,32 +389,32 @@ def _rebuild(msg: Message, context: Context) -> Message:
         base = str(downlink[wire.DOWNLINK_BASE])
         if BROADCAST not in context.state.array_records or held_tokens.get(wire.ARRAYS) != base:
             raise StaleDownlink(f"holds model {held_tokens.get(wire.ARRAYS)!r}, the step is from {base!r}")
-        whole = _numpy(msg.content[wire.DOWNLINK_WHOLE]) if wire.DOWNLINK_WHOLE in msg.content.array_records else {}
+        whole = numpy_arrays(msg.content[wire.DOWNLINK_WHOLE]) if wire.DOWNLINK_WHOLE in msg.content.array_records else {}
         order = [str(k) for k in downlink[wire.DOWNLINK_ORDER]]
-        held = _numpy(context.state[BROADCAST])
+        held = numpy_arrays(context.state[BROADCAST])
         if any(k not in held for k in order if k not in whole):
             raise StaleDownlink(f"the step covers arrays the held model lacks ({sorted(set(order) - set(held) - set(whole))})")
         stepped = {k: held[k] for k in order if k not in whole}
-        velocity = _numpy(context.state[VELOCITY]) if VELOCITY in context.state.array_records else None
+        velocity = numpy_arrays(context.state[VELOCITY]) if VELOCITY in context.state.array_records else None
         start = predicted(stepped, velocity, float(downlink.get(wire.DOWNLINK_MOMENTUM, 0.0)))
         moved = apply_step(start, from_record(msg.content[wire.DOWNLINK_STEP]))
         model = {k: whole[k] if k in whole else moved[k] for k in order}
-        content[wire.ARRAYS] = _record(model)
+        content[wire.ARRAYS] = array_record(model)
         velocity = moved_by(stepped, moved) if wire.DOWNLINK_MOMENTUM in downlink else None
     elif wire.DOWNLINK_INIT in downlink:
         from ..models import initial_state  # torch: only for this one message
 
         model = initial_state(**json.loads(str(downlink[wire.DOWNLINK_INIT])))
-        content[wire.ARRAYS] = _record(model)
+        content[wire.ARRAYS] = array_record(model)
         velocity = None
     else:
-        model = _numpy(msg.content[wire.ARRAYS])
-        velocity = _numpy(msg.content[wire.DOWNLINK_VELOCITY]) if wire.DOWNLINK_VELOCITY in msg.content.array_records else None
+        model = numpy_arrays(msg.content[wire.ARRAYS])
+        velocity = numpy_arrays(msg.content[wire.DOWNLINK_VELOCITY]) if wire.DOWNLINK_VELOCITY in msg.content.array_records else None
     if digest(model) != token:
         raise StaleDownlink(f"rebuilt model {digest(model)!r} != {token!r}")
-    context.state[BROADCAST] = _record(model)
+    context.state[BROADCAST] = array_record(model)
     if velocity:
-        context.state[VELOCITY] = _record(velocity)
+        context.state[VELOCITY] = array_record(velocity)
     else:
         context.state.pop(VELOCITY, None)
     held_tokens[wire.ARRAYS] = token
@@ -446,7 +439,7 @@ def _rebuild(msg: Message, context: Context) -> Message:
     for name, record in msg.content.array_records.items():  # keep copies of what came whole
         if name != wire.ARRAYS:
             context.state[CACHED_PREFIX + name] = record
-            held_tokens[name] = digest(_numpy(record))
+            held_tokens[name] = digest(numpy_arrays(record))
     context.state[HELD] = ConfigRecord(held_tokens)
     msg.content = content  # same metadata: the reply still answers this message
     return msg

@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from .. import wire
+from ..records import array_record
 from .codec import PayloadError, decode, encode, expected_of, from_record, to_record
 from .feedback import ErrorFeedback, EstimateFeedback, decayed, estimate_token
 from .selection import budget, warmup_ratio
@@ -57,7 +58,7 @@ def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedb
 def _save_feedback(context: Context, feedback: ErrorFeedback | EstimateFeedback) -> None:
     state = feedback.state_dict()
     key, arrays = (ESTIMATE, state["estimate"]) if "estimate" in state else (RESIDUALS, state["residuals"])
-    context.state[key] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    context.state[key] = array_record(arrays)
     context.state[FEEDBACK_STATE] = ConfigRecord({"step": int(state["step"])})
 
 
