@@ -135,8 +135,9 @@ def test_round_trip_any_sparse_tensor(shape, data, mode, version):
     numel = math.prod(shape)
     chosen = data.draw(st.sets(st.integers(0, numel - 1), max_size=numel))
     indices = np.array(sorted(chosen), dtype=np.int64)
-    if mode == "int8":
-        codes = data.draw(st.lists(st.integers(-127, 127), min_size=indices.size, max_size=indices.size))
+    if mode in ("int8", "int4"):  # zero codes too: version 4 leaves them out
+        levels = 127 if mode == "int8" else 7
+        codes = data.draw(st.lists(st.integers(-levels, levels), min_size=indices.size, max_size=indices.size))
     else:
         codes = data.draw(st.lists(st.sampled_from([-1, 1]), min_size=indices.size, max_size=indices.size))
     scale = float(np.float32(data.draw(st.floats(1e-30, 1e30)))) if indices.size else 0.0
@@ -169,10 +170,10 @@ def test_round_trip_v2_matches_tensors_by_sorted_position(names, data, seed, rat
     server_order = data.draw(st.permutations(names))
     expected = {n: (update[n].shape, np.float32) for n in server_order}
     payload = encode(sparse)
-    assert payload[4] == VERSION == 3
+    assert payload[4] == VERSION == 4
     decoded = decode(payload, expected)
     assert list(decoded) == list(server_order)
-    for old in (decode(encode(sparse, version=v), expected) for v in (1, 2)):
+    for old in (decode(encode(sparse, version=v), expected) for v in (1, 2, 3)):
         for n in names:
             np.testing.assert_array_equal(decoded[n], sparse[n].to_dense())
             np.testing.assert_array_equal(old[n], decoded[n])
@@ -538,7 +539,7 @@ def test_raw_builder_makes_a_valid_payload():
 
 MALFORMED = {
     "bad magic": (raw_payload(magic=b"FIDY"), "bad magic"),
-    "unknown version": (raw_payload(version=4), "unknown version 4"),
+    "unknown version": (raw_payload(version=5), "unknown version 5"),
     "version 0": (raw_payload(version=0), "unknown version 0"),
     "unknown mode": (raw_payload(mode=9), "unknown mode 9"),
     "trailing bytes": (raw_payload() + b"\x00", "1 trailing bytes"),
@@ -679,7 +680,7 @@ def test_raw_v2_builder_makes_a_valid_payload_and_encode_writes_the_same_bytes()
 
 MALFORMED_V2 = {
     "bad magic": (raw_payload_v2(magic=b"FIDY"), "bad magic"),
-    "unknown version": (raw_payload_v2(version=4), "unknown version 4"),
+    "unknown version": (raw_payload_v2(version=5), "unknown version 5"),
     "unknown mode": (raw_payload_v2(mode=9), "unknown mode 9"),
     "fingerprint mismatch": (raw_payload_v2(fingerprint=FINGERPRINT ^ 1), "layout fingerprint mismatch"),
     "trailing bytes": (raw_payload_v2() + b"\x00", "1 trailing bytes"),
@@ -806,7 +807,7 @@ def test_int4_values_are_nibbles_low_first_in_twos_complement():
 
 @pytest.mark.parametrize("payload, match", list(MALFORMED_V2.values()), ids=list(MALFORMED_V2))
 def test_decode_rejects_malformed_v2_payload(payload, match):
-    assert payload[4] in (2, 4)  # 4: the unknown-version case
+    assert payload[4] in (2, 5)  # 5: the unknown-version case
     with pytest.raises(PayloadError, match=match):
         decode(payload, EXPECTED)
 
@@ -879,7 +880,7 @@ def test_v1_payloads_still_decode():
 
 def test_encode_rejects_unknown_version():
     t = SparseTensor((2,), np.array([0]), np.array([1], np.int8), 1.0, "int8")
-    for version in (0, 4, "2", True, 2.0):
+    for version in (0, 5, "2", True, 2.0):
         with pytest.raises(ValueError, match="Invalid version"):
             encode({"t": t}, version=version)
 
@@ -1006,7 +1007,7 @@ def test_encode_v3_writes_the_documented_bytes():
         "b": SparseTensor((3,), np.zeros(0, np.int64), np.zeros(0, np.int8), 0.0, "int4"),
     }
     bitmap = bytes([0b0100_0010])  # for numel 8 one bitmap byte beats 2 Rice bytes
-    assert encode(sparse) == raw_payload_v3(EMPTY_B2, raw_tensor_v2(enc=2, index=bitmap, values=VALUES_W))
+    assert encode(sparse, version=3) == raw_payload_v3(EMPTY_B2, raw_tensor_v2(enc=2, index=bitmap, values=VALUES_W))
 
 
 def test_rice_indices_on_a_sparse_large_tensor():
@@ -1014,7 +1015,7 @@ def test_rice_indices_on_a_sparse_large_tensor():
     rng = np.random.default_rng(5)
     indices = np.sort(rng.choice(100_000, size=1000, replace=False))
     t = SparseTensor((100_000,), indices, np.full(1000, 7, np.int8), 1.0, "int4")
-    v2, v3 = encode({"t": t}, version=2), encode({"t": t})
+    v2, v3 = encode({"t": t}, version=2), encode({"t": t}, version=3)
     assert v3[10 + 2 + 4] == 3  # count varint (2 bytes), scale, then the index encoding: Rice
     assert len(v3) < 0.8 * len(v2)
     np.testing.assert_array_equal(decode(v3, {"t": ((100_000,), np.float32)})["t"], t.to_dense())
@@ -1027,7 +1028,7 @@ def test_v3_values_take_the_bits_their_code_range_needs():
         codes = rng.integers(low, high + 1, size=80).astype(np.int8) * rng.choice([-1, 1], size=80).astype(np.int8)
         codes[:2] = [low, -high]  # both ends present
         t = SparseTensor((80,), np.arange(80), codes, 1.0, mode)
-        payload = encode({"t": t})
+        payload = encode({"t": t}, version=3)
         width = (high - low).bit_length()
         assert len(payload) == 10 + 1 + 5 + 1 + 10 + 2 + (80 * (1 + width) + 7) // 8  # bitmap of 80
         np.testing.assert_array_equal(decode(payload, {"t": ((80,), np.float32)})["t"], t.to_dense())
@@ -1040,7 +1041,7 @@ def test_v3_is_smaller_than_v2_on_faultcnn_at_the_default_density():
     for _ in range(3):
         update = {k: (rng.standard_normal(s) * 0.01).astype(np.float32) for k, s in MODEL_SHAPES.items()}
         sparse = ef.compress(update, 0.015)
-    v2, v3 = encoded_size(sparse, version=2), encoded_size(sparse)
+    v2, v3 = encoded_size(sparse, version=2), encoded_size(sparse, version=3)
     assert v3 < 0.85 * v2, (v2, v3)
     decoded = decode(encode(sparse), expected_for(update))
     for k in update:
@@ -1090,11 +1091,122 @@ def test_decode_rejects_malformed_v3_payload(payload, match):
 def test_decode_rejects_every_v3_truncation(mode):
     rng = np.random.default_rng(13)
     update = model_update(rng)
-    payload = encode(ErrorFeedback(mode=mode).compress(update, 0.02))
+    payload = encode(ErrorFeedback(mode=mode).compress(update, 0.02), version=3)
     assert payload[4] == 3 and INDEX_RICE in {e for _, e, _ in parse_layout_v2(payload, update, version=3)}
     decode(payload, expected_for(update))
     for cut in range(len(payload)):
         with pytest.raises(PayloadError, match="truncated payload|Rice|padding"):
+            decode(payload[:cut], expected_for(update))
+
+
+# --------------------------------------------------------------------------- version 4 payloads
+
+# Tensor "w" (2, 4), int4 codes 5 and -7 at indices 1 and 6, by hand from the documented layout.
+# Magnitudes 5 and 7 are symbols 4 and 6, once each: a Huffman code of 1 bit each, "0" and
+# "1" (canonical: by length, then symbol). The table holds 3 bits per symbol, LSB first:
+# length 1 at symbols 4 (bit 12) and 6 (bit 18). The value stream: the sign bits 0, 1, then
+# the codewords 0, 1 -> LSB first 0b1010.
+TABLE_W = bytes([0, 0x10, 0x04])
+BITMAP_W = bytes([0b0100_0010])  # indices 1, 6
+STREAM_W = bytes([0b1010])
+
+
+def raw_payload_v4(*tensors: bytes, table: bytes = TABLE_W, stream: bytes = STREAM_W, mode: int = 3) -> bytes:
+    tensors = tensors or (EMPTY_B2, raw_tensor_v2(enc=2, index=BITMAP_W, values=b""))
+    header = MAGIC + bytes([4, mode]) + struct.pack("<I", FINGERPRINT)
+    return header + (table if mode == 3 else b"") + b"".join(tensors) + (stream if mode == 3 else b"")
+
+
+def test_encode_v4_writes_the_documented_bytes_and_leaves_zero_codes_out():
+    sparse = {
+        "w": SparseTensor((2, 4), np.array([1, 3, 6]), np.array([5, 0, -7], np.int8), 1.0, "int4"),
+        "b": SparseTensor((3,), np.array([2]), np.array([0], np.int8), 1.0, "int4"),  # only a zero code
+    }
+    payload = encode(sparse)
+    assert payload == raw_payload_v4()
+    out = decode(payload, EXPECTED)
+    for name in sparse:
+        np.testing.assert_array_equal(out[name], sparse[name].to_dense())
+    # int8 keeps version 3's value block; its zero codes are left out as well
+    int8 = {n: SparseTensor(t.shape, t.indices, t.codes, t.scale, "int8") for n, t in sparse.items()}
+    assert encode(int8) == raw_payload_v4(EMPTY_B2, raw_tensor_v2(enc=2, index=BITMAP_W, values=VALUES_W), mode=1)
+
+
+def test_v4_codes_skewed_magnitudes_in_fewer_bits_than_v3():
+    """Top-k codes crowd the low magnitudes when one value sets the scale: a Huffman code
+    of the magnitudes takes about their entropy where version 3 takes their bit width."""
+    rng = np.random.default_rng(7)
+    magnitudes = rng.choice(np.arange(1, 8), size=4000, p=[0.35, 0.4, 0.15, 0.05, 0.03, 0.01, 0.01])
+    codes = (magnitudes * rng.choice([-1, 1], size=4000)).astype(np.int8)
+    t = SparseTensor((40_000,), np.sort(rng.choice(40_000, 4000, replace=False)), codes, 0.5, "int4")
+    v3, v4 = encode({"t": t}, version=3), encode({"t": t})
+    p = np.bincount(magnitudes)[1:] / magnitudes.size
+    entropy_bytes = 4000 * (1 - (p * np.log2(p)).sum()) / 8  # sign + magnitude entropy
+    values_v3 = 2 + 4000 * 4 // 8  # low, width 3, then sign + 3 bits a value
+    assert len(v3) - len(v4) > 0.9 * (values_v3 - entropy_bytes) - 4
+    np.testing.assert_array_equal(decode(v4, {"t": ((40_000,), np.float32)})["t"], t.to_dense())
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 300), min_size=7, max_size=7), seed=st.integers(0, 2**16))
+def test_huffman_stream_round_trips_and_matches_a_sequential_decoder(counts, seed):
+    """The vectorised decoder (pointer doubling) reads what a bit-by-bit decoder reads."""
+    from fedind.topk.blocks import _canonical_codes, decode_huffman, huffman_bits, huffman_lengths
+
+    symbols = np.random.default_rng(seed).permutation(np.repeat(np.arange(7), counts))
+    lengths = huffman_lengths(np.array(counts))
+    assert (np.ldexp(1.0, -lengths[lengths > 0])).sum() <= 1.0 and lengths.max(initial=0) <= 7
+    bits = huffman_bits(symbols, lengths)
+    got, used = decode_huffman(bits, lengths, symbols.size, "test")
+    np.testing.assert_array_equal(got, symbols)
+    assert used == bits.size
+    codebook = {(int(lengths[s]), int(c)): s for s, c in enumerate(_canonical_codes(lengths)) if lengths[s]}
+    pos, sequential = 0, []
+    while len(sequential) < symbols.size:
+        for n in range(1, 8):
+            word = int("".join(map(str, bits[pos : pos + n])), 2)
+            if (n, word) in codebook:
+                sequential.append(codebook[n, word])
+                pos += n
+                break
+    assert sequential == symbols.tolist()
+
+
+w4 = raw_payload_v4
+
+
+MALFORMED_V4 = {
+    "over-full code-length table": (w4(table=bytes([0, 0x10, 0x05])), "not a prefix code"),  # lengths 1, 1, 1
+    "table padding bits": (w4(table=bytes([0, 0x10, 0x84])), "table padding bits are set"),
+    "table truncated": (MAGIC + bytes([4, 3]) + struct.pack("<I", FINGERPRINT) + b"\x00", "truncated payload: code-length table"),
+    "no codeword starts so": (w4(table=bytes([0, 0x10, 0x00]), stream=bytes([0b1010])), "no codeword"),  # only "0" exists
+    "stream ends inside the codewords": (w4(stream=b""), "fewer than the 2 sign bits"),
+    "stream ends inside a codeword": (w4(table=bytes([0, 0x60, 0x18]), stream=bytes([0b10])), "ends inside it"),  # 6-bit codes
+    "stream padding bits": (w4(stream=bytes([0b1001_1010])), "padding must be under a byte of zeros"),
+    "stream with a padding byte": (w4(stream=bytes([0b1010, 0])), "padding must be under a byte of zeros"),
+    "a stream with nothing sent": (w4(EMPTY_B2, EMPTY_B2), "no values are sent"),
+    "a table with nothing sent": (w4(EMPTY_B2, EMPTY_B2, stream=b""), "no values are sent"),
+    "an int8 zero code": (
+        raw_payload_v4(EMPTY_B2, raw_tensor_v2(enc=2, index=BITMAP_W, values=bytes([0, 3, 0b0101_0000])), mode=1),
+        "a zero code is sent",
+    ),
+}
+
+
+@pytest.mark.parametrize("payload, match", list(MALFORMED_V4.values()), ids=list(MALFORMED_V4))
+def test_decode_rejects_malformed_v4_payload(payload, match):
+    with pytest.raises(PayloadError, match=match):
+        decode(payload, EXPECTED)
+
+
+def test_decode_rejects_every_v4_truncation():
+    rng = np.random.default_rng(14)
+    update = model_update(rng)
+    payload = encode(ErrorFeedback(mode="int4").compress(update, 0.02))
+    assert payload[4] == 4
+    decode(payload, expected_for(update))
+    for cut in range(len(payload)):
+        with pytest.raises(PayloadError, match="truncated payload|Rice|padding|codeword|sign bits"):
             decode(payload[:cut], expected_for(update))
 
 
@@ -1121,7 +1233,7 @@ def test_config_record_round_trip_through_protobuf():
     [
         ({"format": "fedind.topk", "version": 1}, "keys"),
         ({"format": "fedind.other", "version": 1, "payload": b""}, "format"),
-        ({"format": "fedind.topk", "version": 4, "payload": b""}, "version"),
+        ({"format": "fedind.topk", "version": 5, "payload": b""}, "version"),
         ({"format": "fedind.topk", "version": 1, "payload": MAGIC + b"\x02\x01"}, "record version 1 != payload 2"),
         ({"format": "fedind.topk", "version": 2, "payload": MAGIC + b"\x01\x01"}, "record version 2 != payload 1"),
         ({"format": "fedind.topk", "version": True, "payload": b""}, "version"),
@@ -1139,7 +1251,7 @@ def test_to_record_carries_the_payload_version():
         payload = raw_payload_v2(version=version) if version >= 2 else raw_payload()
         record = to_record(payload)
         assert record["version"] == version and from_record(record) == payload
-    for junk in (b"", b"FIDZ", b"FIDZ\x04", b"XXXX\x02"):
+    for junk in (b"", b"FIDZ", b"FIDZ\x05", b"XXXX\x02"):
         with pytest.raises(ValueError, match="Invalid payload"):
             to_record(junk)
 

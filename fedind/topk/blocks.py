@@ -9,6 +9,7 @@ the reason. The layouts are specified in :mod:`fedind.topk.codec`.
 
 from __future__ import annotations
 
+import heapq
 import math
 import struct
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from .selection import LEVELS, SparseTensor
 
-__all__ = ["INDEX_BITMAP", "INDEX_NAMES", "INDEX_RICE", "INDEX_VARINT", "PayloadError", "Reader"]
+__all__ = ["HUFFMAN_SYMBOLS", "INDEX_BITMAP", "INDEX_NAMES", "INDEX_RICE", "INDEX_VARINT", "PayloadError", "Reader"]
 
 INDEX_VARINT = 1
 INDEX_BITMAP = 2
@@ -309,3 +310,116 @@ class Reader:
                     raise PayloadError(f"{what}: varint overflow (value >= 2**32) at offset {start}")
                 return value
         raise PayloadError(f"{what}: varint too long (more than 5 bytes) at offset {start}")
+
+
+# --------------------------------------------------------------------------- Huffman magnitudes (v4)
+
+HUFFMAN_SYMBOLS = 7  # int4 code magnitudes 1..7 (a zero code is not sent)
+_LENGTH_BITS = 3  # each code length, 0 (magnitude absent) to 7, in 3 bits
+
+
+def huffman_lengths(counts: np.ndarray) -> np.ndarray:
+    """Code length of each symbol (0 where its count is 0) of a Huffman code for
+    ``counts``: the optimal prefix code of the symbols present; a lone symbol gets 1 bit.
+    Ties are broken by symbol order, so both sides of a test agree on the code."""
+    present = [(int(c), s) for s, c in enumerate(counts) if c > 0]
+    lengths = np.zeros(len(counts), dtype=np.int64)
+    if len(present) == 1:
+        lengths[present[0][1]] = 1
+        return lengths
+    heap = [(c, i, (s,)) for i, (c, s) in enumerate(present)]
+    heapq.heapify(heap)
+    tie = len(heap)
+    while len(heap) > 1:
+        c1, _, a = heapq.heappop(heap)
+        c2, _, b = heapq.heappop(heap)
+        lengths[list(a + b)] += 1
+        heapq.heappush(heap, (c1 + c2, tie, a + b))
+        tie += 1
+    return lengths
+
+
+def _canonical_codes(lengths: np.ndarray) -> np.ndarray:
+    """Canonical codeword of each symbol: by (length, symbol), consecutive values."""
+    codes = np.zeros(lengths.size, dtype=np.int64)
+    code, previous = 0, 0
+    for s in sorted(np.flatnonzero(lengths), key=lambda s: (lengths[s], s)):
+        code <<= int(lengths[s]) - previous
+        codes[s], previous = code, int(lengths[s])
+        code += 1
+    return codes
+
+
+def pack_lengths(lengths: np.ndarray) -> bytes:
+    """The code-length table: each length in 3 bits (LSB first), padded to whole bytes."""
+    bits = (lengths[:, None] >> np.arange(_LENGTH_BITS)) & 1
+    return np.packbits(bits.astype(np.uint8).ravel(), bitorder="little").tobytes()
+
+
+def table_size(symbols: int = HUFFMAN_SYMBOLS) -> int:
+    return (symbols * _LENGTH_BITS + 7) // 8
+
+
+def unpack_lengths(block: bytes, symbols: int, where: str) -> np.ndarray:
+    """The code lengths of a table; a table whose code is over-full (Kraft sum > 1) or
+    whose padding bits are set is a PayloadError."""
+    bits = np.unpackbits(np.frombuffer(block, dtype=np.uint8), bitorder="little")
+    if bits[symbols * _LENGTH_BITS :].any():
+        raise PayloadError(f"{where}: code-length table padding bits are set")
+    lengths = (bits[: symbols * _LENGTH_BITS].reshape(symbols, _LENGTH_BITS).astype(np.int64)
+               << np.arange(_LENGTH_BITS)).sum(axis=1)
+    used = lengths[lengths > 0]
+    if used.size and (np.ldexp(1.0, -used)).sum() > 1.0:
+        raise PayloadError(f"{where}: code lengths {lengths.tolist()} are not a prefix code (Kraft sum > 1)")
+    return lengths
+
+
+def huffman_bits(symbols: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The codewords of ``symbols`` (each most significant bit first), as one bit array."""
+    codes, width = _canonical_codes(lengths), int(lengths.max(initial=0))
+    if not symbols.size:
+        return np.zeros(0, dtype=np.uint8)
+    n, c = lengths[symbols], codes[symbols]
+    column = np.arange(width)
+    bits = (c[:, None] >> np.maximum(n[:, None] - 1 - column, 0)) & 1  # bit j of a codeword, MSB first
+    return bits[column < n[:, None]].astype(np.uint8)
+
+
+def decode_huffman(bits: np.ndarray, lengths: np.ndarray, count: int, where: str) -> tuple[np.ndarray, int]:
+    """``(symbols, bits used)``: the first ``count`` codewords of ``bits``. Vectorised:
+    the codeword length at every bit position gives each position's successor, and
+    pointer doubling finds the ``count`` positions reached from 0. A bit pattern that is
+    no codeword, or a stream that ends inside one, is a PayloadError."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), 0
+    width = int(lengths.max(initial=0))
+    if width == 0:
+        raise PayloadError(f"{where}: {count} values but an empty code-length table")
+    codes = _canonical_codes(lengths)
+    size = bits.size
+    window_length = np.zeros(1 << width, dtype=np.int64)  # 0: no codeword starts so
+    window_symbol = np.zeros(1 << width, dtype=np.int64)
+    for s in np.flatnonzero(lengths):
+        lo = int(codes[s]) << (width - int(lengths[s]))
+        window_length[lo : lo + (1 << (width - int(lengths[s])))] = lengths[s]
+        window_symbol[lo : lo + (1 << (width - int(lengths[s])))] = s
+    padded = np.concatenate([bits.astype(np.int64), np.zeros(width, dtype=np.int64)])
+    windows = np.zeros(size, dtype=np.int64)
+    for j in range(width):
+        windows |= padded[j : j + size] << (width - 1 - j)
+    successor = np.arange(size) + window_length[windows]
+    invalid = size + 1  # sentinel: no codeword here, or one that runs past the stream
+    successor[(window_length[windows] == 0) | (successor > size)] = invalid
+    jump = np.concatenate([successor, [invalid, invalid]])  # from `size` (the end) nothing follows
+    steps = np.arange(count + 1)
+    at = np.zeros(count + 1, dtype=np.int64)
+    j = 0
+    while (1 << j) <= count:
+        move = ((steps >> j) & 1).astype(bool)
+        at[move] = jump[at[move]]
+        jump = jump[jump]
+        j += 1
+    if np.any(at > size):
+        first = int(np.flatnonzero(at > size)[0])
+        raise PayloadError(f"{where}: value {first} of {count} is no codeword of the table (or the stream ends inside it)")
+    return window_symbol[windows[at[:count]]], int(at[count])
