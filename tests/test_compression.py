@@ -1402,3 +1402,27 @@ def test_topk_allocation_diagnostic_keeps_the_same_total_and_ranks_by_weighted_m
     dense = weights @ updates
     assert fidelity(dense, weights @ shared)[0] < fidelity(dense, weights @ fixed)[0]
     assert fidelity(dense, dense) == pytest.approx((0.0, 1.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**16), version=st.sampled_from(VERSIONS), data=st.data())
+def test_a_corrupted_payload_decodes_or_is_refused_with_a_payload_error(seed, version, data):
+    """Any byte flipped, dropped or inserted in a valid payload: decode returns arrays of the
+    expected shapes or raises PayloadError, never another exception."""
+    rng = np.random.default_rng(seed)
+    update = {"w": rng.standard_normal((6, 9)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)}
+    sparse = ErrorFeedback(mode=data.draw(st.sampled_from(MODES))).compress(update, data.draw(st.floats(0.05, 1.0)))
+    payload = bytearray(encode(sparse, version=version))
+    position = data.draw(st.integers(0, len(payload) - 1))
+    edit = data.draw(st.sampled_from(["flip", "drop", "insert"]))
+    if edit == "flip":
+        payload[position] ^= 1 << data.draw(st.integers(0, 7))
+    elif edit == "drop":
+        del payload[position]
+    else:
+        payload.insert(position, data.draw(st.integers(0, 255)))
+    try:
+        out = decode(bytes(payload), expected_for(update))
+    except PayloadError:
+        return
+    assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in update.items()}
