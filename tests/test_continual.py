@@ -35,6 +35,7 @@ from fedind.continual.phases import (
     restore_replay,
     row_bounds,
 )
+from fedind.training import window_features
 from fedind.server.continual import PhaseController
 from fedind.data.drift import (
     DriftSpec,
@@ -431,6 +432,32 @@ def test_a_site_proposes_rows_from_the_first_young_class_on():
     assert propose_new_rows(model, data, 5, 0.5, torch.device("cpu"))[0].shape == (1, 32)  # beyond the head only
     with pytest.raises(ValueError, match="first class"):
         propose_new_rows(model, data, 5, 0.5, torch.device("cpu"), first=5)
+
+
+def test_replayed_windows_keep_a_proposed_row_from_winning_everywhere():
+    """A line whose new windows are all of the new class: fitted on them alone, the new row
+    wins on every window (nothing tells it where to stop); with the line's replayed windows
+    as counter-examples it wins on none of the old classes' windows."""
+    torch.manual_seed(0)
+    model = FaultCNN(in_channels=1, num_classes=3, width=8)
+    rng = np.random.default_rng(1)
+    t = np.arange(256)
+
+    def windows(k, n):
+        tone = np.sin(2 * np.pi * (k + 1) * 4 * t / 256)[None, None, :]
+        return (tone + 0.3 * rng.standard_normal((n, 1, 256))).astype(np.float32)
+
+    old = SiteArrays(np.concatenate([windows(k, 10) for k in range(3)]), np.repeat(np.arange(3), 10))
+    new = SiteArrays(windows(3, 10), np.full(10, 3))
+    features = torch.from_numpy(window_features(model, old.x, torch.device("cpu"), 64)).double()
+    trained = features @ model.head.weight.detach().double().T + model.head.bias.detach().double()
+    called_new = {}
+    for name, replayed in (("alone", None), ("with replay", old)):
+        rows, biases, counts = propose_new_rows(model, new, 4, 0.5, torch.device("cpu"), replayed=replayed)
+        assert counts.tolist() == [10]  # the line's own windows of the class, not the replayed ones
+        proposed = features @ torch.from_numpy(rows).double().T + torch.from_numpy(biases).double()
+        called_new[name] = float((proposed[:, 0] > trained.max(dim=1).values).double().mean())
+    assert called_new == {"alone": 1.0, "with replay": 0.0}
 
 
 # --------------------------------------------------------------------------- a short two-phase run

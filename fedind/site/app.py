@@ -175,14 +175,17 @@ def train(msg: Message, context: Context) -> Message:
     # Classes the head lacks, and the phase's young classes (the server's refit-from): propose
     # their rows, fitted on the model as received (fedind.continual.phases).
     first = min(num_classes, refit_from(msg, num_classes))
+    buffer = load_replay(context, config, site.site_id, train_data, num_classes)
+    replay = buffer.arrays() if buffer is not None else None
     proposal = None
     if seen > first and np.any(site.train.y >= first):
-        proposal = propose_new_rows(model, site.train, seen, config.logit_adjustment, device, first=first)
+        # A line with no windows of the old classes fits against its replayed ones (fedind.continual.phases)
+        counter = replay if replay is not None and not np.any(site.train.y < first) else None
+        proposal = propose_new_rows(model, site.train, seen, config.logit_adjustment, device, first=first,
+                                    replayed=counter)
     seed = config.site_seed(site.site_id, server_round)
     torch.manual_seed(seed)
     histogram = np.bincount(train_data.y, minlength=num_classes)
-    buffer = load_replay(context, config, site.site_id, train_data, num_classes)
-    replay = buffer.arrays() if buffer is not None else None
     replay_ratio = config.replay_ratio if replay is not None else 0.0
     adjustment = None
     if train_data.num_examples and config.logit_adjustment:  # the prior of what the loss sees: new windows and replayed ones
