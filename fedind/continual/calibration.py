@@ -304,7 +304,6 @@ def calibrate_head(weight: np.ndarray, bias: np.ndarray, counts: np.ndarray, mea
     """The head ``(weight [C, F], bias [C])`` refit on ``samples`` virtual features per class
     with a count above 0, drawn from ``N(means[c], covariances[c])``; classes without features
     keep their rows only as competitors (no samples of theirs). float32 out, as in."""
-    f = weight.shape[1]
     present = np.flatnonzero(np.asarray(counts) > 0)
     if present.size < 2:
         raise ValueError(f"head calibration needs features of two classes or more, got {present.size}")

@@ -176,20 +176,21 @@ def propose_new_rows(
     """A site's proposal for the head rows of classes ``first .. num_classes - 1``
     (``first`` defaults to the end of ``model``'s head; ``num_classes`` =
     :func:`classes_seen`): :func:`fit_new_rows` on ``model.features`` of every window in
-    ``data`` and in ``replayed``, rows before ``first`` held fixed, each new row at their
-    mean norm, with the logit adjustment ``tau`` of the fit's label histogram.
-    ``replayed``: windows of the old classes (the site agent passes its replay buffer when
-    ``data`` has none). Without counter-examples the fit is ill-posed: its optimum makes the
-    new class win on every window (at phase 1 of a plant run, alpha 0.1 seed 8, where two
-    lines hold only the new class: 365 and, encrypted, 538 of 600 test windows called the
-    new class after the growth). Returns ``(rows [m, F], biases [m], the windows of
-    ``data`` of each class [m])``."""
+    ``data``, rows before ``first`` held fixed, each new row at their mean norm, with the
+    logit adjustment ``tau`` of the fit's label histogram. When ``data`` has no window of
+    the classes before ``first``, the fit also takes the windows of ``replayed`` (the
+    site's replay buffer) as counter-examples: without any the fit is ill-posed, and its
+    optimum makes the new class win on every window (at phase 1 of a plant run, alpha 0.1
+    seed 8, where two lines hold only the new class: 365 and, encrypted, 538 of 600 test
+    windows called the new class after the growth). Lines with old classes of their own
+    fit on them alone (the buffer there too cost recall). Returns ``(rows [m, F], biases
+    [m], the windows of ``data`` of each class [m])``."""
     head = model.head.out_features
     first = head if first is None else first
     if not 1 <= first <= head:
         raise ValueError(f"Invalid first class {first!r} for a head of {head}")
     x, y = data.x, data.y
-    if replayed is not None and replayed.num_examples:
+    if replayed is not None and replayed.num_examples and not np.any(data.y < first):
         x, y = np.concatenate([x, replayed.x]), np.concatenate([y, replayed.y])
     features = torch.from_numpy(window_features(model, x, device, batch_size)).float()
     fitted = np.bincount(y, minlength=num_classes)

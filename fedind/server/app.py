@@ -17,6 +17,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from .. import wire
+from ..records import numpy_arrays
 from .checkpoint import Checkpoint, CheckpointStore
 from ..config import ConfigError, RunConfig
 from .continual import PhaseController
@@ -122,7 +123,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
         # The sites' updates are deltas from that copy, plaintext or encrypted alike: the
         # strategy (SecureAggregation: its decrypted mean) adds them to its own global model.
         spec = {"seed": config.seed, "in_channels": channels, "num_classes": num_classes, "width": config.model_width}
-        own = None if checkpoint is not None else (digest({k: v.numpy() for k, v in initial.items()}), spec)
+        own = None if checkpoint is not None else (digest(numpy_arrays(initial)), spec)
         inner = transform if transform is not None else TopkUplink()  # encrypted: an uplink that passes replies on
         transform = CompressedDownlink(inner, config.downlink_ratio, config.downlink_quantization, own,
                                        config.downlink_momentum)
@@ -230,7 +231,7 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
             state["screen"] = screen.state_dict()  # the sites' label-alignment records
         if continual is not None:
             state["continual"] = continual.state_dict()  # EWC Fisher and anchors, classes, phase scores
-        path = store.save(server_round, {name: array.numpy() for name, array in arrays.items()}, state)
+        path = store.save(server_round, numpy_arrays(arrays), state)
         clock["checkpoint"] = time.monotonic()
         log(INFO, "checkpoint of round %d saved to %s", server_round, path)
 
@@ -438,7 +439,7 @@ def _finish(
     site_cpu: dict[str, float],
     continual: dict | None = None,
 ) -> dict:
-    state = {name: array.numpy() for name, array in arrays.items()}
+    state = numpy_arrays(arrays)
     digest = save_model(recorder.folder / "model.safetensors", state, {"format": "fedind.FaultCNN"})
     accuracies = [r.accuracy for r in recorder.rows]
     best = best_round(accuracies)  # None when no round was scored (no global test set)

@@ -45,7 +45,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from .. import wire
-from ..records import array_record
+from ..records import array_record, numpy_arrays
 from ..config import RunConfig
 from ..continual.phases import (
     check_row_proposal,
@@ -55,7 +55,7 @@ from ..continual.phases import (
 )
 from ..data.format import SiteArrays
 from ..continual.calibration import (
-    ClassMoments, bounded_moments, calibrate_head, decode_moments, merge_moments, shrunk_covariances, vector_moments,
+    bounded_moments, calibrate_head, decode_moments, merge_moments, shrunk_covariances, vector_moments,
 )
 from ..continual.ewc import EWCState, server_consolidation
 from ..continual.expansion import HEAD_BIAS, HEAD_WEIGHT, expand_head, set_head_rows
@@ -186,7 +186,7 @@ class PhaseController:
         rows = self._proposed_rows(server_round, arrays, first, claimed, proposing)
         young = {k: r for k, r in rows.items() if k < self.num_classes}
         if young:  # their holders' fit replaces the average, in which the others diluted them
-            arrays = array_record(set_head_rows(_numpy(arrays), young))
+            arrays = array_record(set_head_rows(numpy_arrays(arrays), young))
             reset_strategy_rows(self.strategy, arrays, sorted(young))  # no momentum for steps not taken
         if claimed > self.num_classes:
             if self.young_from is None:
@@ -234,7 +234,7 @@ class PhaseController:
         """Grow the global head to ``num_classes`` and everything that follows it; new classes
         in ``rows`` start from those rows (:func:`fedind.continual.expansion.expand_head`)."""
         old = self.num_classes
-        arrays = array_record(expand_head(_numpy(arrays), num_classes, new_rows=rows))
+        arrays = array_record(expand_head(numpy_arrays(arrays), num_classes, new_rows=rows))
         grow_strategy_classes(self.strategy, arrays, num_classes)
         if self.pipeline is not None:
             self.pipeline.grow_classes(num_classes)
@@ -253,7 +253,7 @@ class PhaseController:
         """The server's EWC step (``ewc-server-lambda``): each coordinate's drift from its
         anchor damped by ``1 / (1 + kappa F)`` (:func:`fedind.continual.ewc.server_consolidation`)."""
         kappa = self.config.ewc_server_lambda
-        return array_record(server_consolidation(_numpy(arrays), self.ewc.fisher, self.ewc.anchors, kappa))
+        return array_record(server_consolidation(numpy_arrays(arrays), self.ewc.fisher, self.ewc.anchors, kappa))
 
     def end_phase(self, server_round: int, phase: int, arrays: ArrayRecord) -> None:
         """The phase-end query: sites offer their batch to their buffer and (EWC) send
@@ -295,7 +295,7 @@ class PhaseController:
                 fishers, weights = [unflatten(np.maximum(summed[0], 0.0), shapes)], [1.0]
         if self.ewc is not None:
             if fishers:
-                self.ewc.consolidate(fishers, weights, _numpy(arrays))
+                self.ewc.consolidate(fishers, weights, numpy_arrays(arrays))
                 self._records = None
                 log(INFO, "phase %d end: EWC consolidated the Fisher of %d sites", phase, len(fishers))
             else:
@@ -346,7 +346,7 @@ class PhaseController:
                                               seed=self.config.seed * 1_000_003 + server_round)
         log(INFO, "round %d: head calibrated on the feature moments of %d sites (%d windows, %d classes)",
             server_round, sites, int(counts.sum()), np.count_nonzero(counts))
-        edited = array_record({**_numpy(arrays), HEAD_WEIGHT: new_weight, HEAD_BIAS: new_bias})
+        edited = array_record({**numpy_arrays(arrays), HEAD_WEIGHT: new_weight, HEAD_BIAS: new_bias})
         reset_strategy_rows(self.strategy, edited, range(weight.shape[0]))
         return edited
 
@@ -521,10 +521,6 @@ def _reported(reply: Message) -> tuple[str, Mapping, Mapping | None, tuple[int, 
     except InvalidUpdate:
         histogram = None
     return site_id_of(reply), metrics, reply.content.config_records.get(wire.NEW_CLASSES), histogram
-
-
-def _numpy(arrays: ArrayRecord) -> dict[str, np.ndarray]:
-    return {name: a.numpy() for name, a in arrays.items()}
 
 
 def _answered(what: str, replies, read) -> list[tuple[Message, Any]]:

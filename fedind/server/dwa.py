@@ -36,6 +36,7 @@ from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy import FedAvg
 
 from .. import wire
+from ..records import numpy_arrays
 from .pipeline import Rejected, SiteUpdate, decode_reply, update_of
 from ..aggregation.conflicts import (
     MomentumBuffer,
@@ -309,7 +310,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         # Flower's checks split off error replies (and log them); each reply's typed update
         # is the pipeline's (fedind.server.pipeline), decoded here only without one.
         replies, _ = self._check_and_log_replies(list(replies), is_train=True, validate=False)
-        current = {name: array.numpy() for name, array in self.current_arrays.items()}
+        current = numpy_arrays(self.current_arrays)
         updates = []
         for reply in replies:
             try:
@@ -323,7 +324,7 @@ min_available_nodes, train_metrics_aggr_fn, evaluate_metrics_aggr_fn
         self, server_round: int, updates: list[SiteUpdate]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Weight the round's typed updates, apply the (conflict-aware) mean delta."""
-        current = {name: array.numpy() for name, array in self.current_arrays.items()}
+        current = numpy_arrays(self.current_arrays)
         updates = self._aggregated(server_round, updates)
         if not updates:
             log(WARNING, "aggregate_train: round %d has no valid reply; the global model stays", server_round)

@@ -21,7 +21,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from ..aggregation.averaging import ema_step
-from ..records import array_record
+from ..records import array_record, numpy_arrays
 
 
 class ServedModel:
@@ -39,7 +39,7 @@ class ServedModel:
         itself with decay 0)."""
         if self.decay == 0.0:
             return arrays
-        self.average = ema_step(self.average, {name: a.numpy() for name, a in arrays.items()}, self.decay)
+        self.average = ema_step(self.average, numpy_arrays(arrays), self.decay)
         return self.current(arrays)
 
     def current(self, arrays: ArrayRecord) -> ArrayRecord:

@@ -12,6 +12,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from ..aggregation.robust import CenteredClipping
 from ..config import DWA_STRATEGIES, RunConfig
+from ..records import numpy_arrays
 from ..continual.expansion import pad_head_rows, zero_head_rows
 from .dwa import DWA
 
@@ -98,7 +99,7 @@ class FedAdam(_Typed, flwr_strategy.FedAdam):
         if edit is not None:
             self.m_t = None if self.m_t is None else edit(self.m_t)
             self.v_t = None if self.v_t is None else edit(self.v_t)
-        self.current_arrays = {name: array.numpy() for name, array in arrays.items()}
+        self.current_arrays = numpy_arrays(arrays)
 
 
 class TrimmedFedAvgM(FedAvgM, flwr_strategy.FedTrimmedAvg):

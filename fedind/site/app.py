@@ -178,11 +178,9 @@ def train(msg: Message, context: Context) -> Message:
     buffer = load_replay(context, config, site.site_id, train_data, num_classes)
     replay = buffer.arrays() if buffer is not None else None
     proposal = None
-    if seen > first and np.any(site.train.y >= first):
-        # A line with no windows of the old classes fits against its replayed ones (fedind.continual.phases)
-        counter = replay if replay is not None and not np.any(site.train.y < first) else None
+    if seen > first and np.any(site.train.y >= first):  # replayed: counter-examples if the line has none
         proposal = propose_new_rows(model, site.train, seen, config.logit_adjustment, device, first=first,
-                                    replayed=counter)
+                                    replayed=replay)
     seed = config.site_seed(site.site_id, server_round)
     torch.manual_seed(seed)
     histogram = np.bincount(train_data.y, minlength=num_classes)

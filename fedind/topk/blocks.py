@@ -407,9 +407,10 @@ def decode_huffman(bits: np.ndarray, lengths: np.ndarray, count: int, where: str
     windows = np.zeros(size, dtype=np.int64)
     for j in range(width):
         windows |= padded[j : j + size] << (width - 1 - j)
-    successor = np.arange(size) + window_length[windows]
+    length = window_length[windows]
+    successor = np.arange(size) + length
     invalid = size + 1  # sentinel: no codeword here, or one that runs past the stream
-    successor[(window_length[windows] == 0) | (successor > size)] = invalid
+    successor[(length == 0) | (successor > size)] = invalid
     jump = np.concatenate([successor, [invalid, invalid]])  # from `size` (the end) nothing follows
     steps = np.arange(count + 1)
     at = np.zeros(count + 1, dtype=np.int64)

@@ -25,7 +25,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from .. import wire
-from ..records import array_record
+from ..records import array_record, numpy_arrays
 from .codec import PayloadError, decode, encode, expected_of, from_record, to_record
 from .feedback import ErrorFeedback, EstimateFeedback, decayed, estimate_token
 from .selection import budget, warmup_ratio
@@ -42,7 +42,7 @@ def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedb
         feedback = EstimateFeedback(mode=config.topk_quantization, threshold=config.topk_threshold, seed=seed,
                                     decay=config.topk_estimate_decay, allocation=config.topk_allocation)
         if ESTIMATE in context.state:
-            estimate = {k: v.numpy() for k, v in context.state[ESTIMATE].items()}
+            estimate = numpy_arrays(context.state[ESTIMATE])
             feedback.load_state_dict({"estimate": estimate, "step": int(context.state[FEEDBACK_STATE]["step"])})
         return feedback
     feedback = ErrorFeedback(
@@ -50,7 +50,7 @@ def _load_feedback(context: Context, config: RunConfig, seed: int) -> ErrorFeedb
         allocation=config.topk_allocation,
     )
     if RESIDUALS in context.state:
-        residuals = {k: v.numpy() for k, v in context.state[RESIDUALS].items()}
+        residuals = numpy_arrays(context.state[RESIDUALS])
         feedback.load_state_dict({"residuals": residuals, "step": int(context.state[FEEDBACK_STATE]["step"])})
     return feedback
 
