@@ -170,10 +170,10 @@ def test_round_trip_v2_matches_tensors_by_sorted_position(names, data, seed, rat
     server_order = data.draw(st.permutations(names))
     expected = {n: (update[n].shape, np.float32) for n in server_order}
     payload = encode(sparse)
-    assert payload[4] == VERSION == 4
+    assert payload[4] == VERSION == 5
     decoded = decode(payload, expected)
     assert list(decoded) == list(server_order)
-    for old in (decode(encode(sparse, version=v), expected) for v in (1, 2, 3)):
+    for old in (decode(encode(sparse, version=v), expected) for v in (1, 2, 3, 4)):
         for n in names:
             np.testing.assert_array_equal(decoded[n], sparse[n].to_dense())
             np.testing.assert_array_equal(old[n], decoded[n])
@@ -539,7 +539,7 @@ def test_raw_builder_makes_a_valid_payload():
 
 MALFORMED = {
     "bad magic": (raw_payload(magic=b"FIDY"), "bad magic"),
-    "unknown version": (raw_payload(version=5), "unknown version 5"),
+    "unknown version": (raw_payload(version=6), "unknown version 6"),
     "version 0": (raw_payload(version=0), "unknown version 0"),
     "unknown mode": (raw_payload(mode=9), "unknown mode 9"),
     "trailing bytes": (raw_payload() + b"\x00", "1 trailing bytes"),
@@ -680,7 +680,7 @@ def test_raw_v2_builder_makes_a_valid_payload_and_encode_writes_the_same_bytes()
 
 MALFORMED_V2 = {
     "bad magic": (raw_payload_v2(magic=b"FIDY"), "bad magic"),
-    "unknown version": (raw_payload_v2(version=5), "unknown version 5"),
+    "unknown version": (raw_payload_v2(version=6), "unknown version 6"),
     "unknown mode": (raw_payload_v2(mode=9), "unknown mode 9"),
     "fingerprint mismatch": (raw_payload_v2(fingerprint=FINGERPRINT ^ 1), "layout fingerprint mismatch"),
     "trailing bytes": (raw_payload_v2() + b"\x00", "1 trailing bytes"),
@@ -807,7 +807,7 @@ def test_int4_values_are_nibbles_low_first_in_twos_complement():
 
 @pytest.mark.parametrize("payload, match", list(MALFORMED_V2.values()), ids=list(MALFORMED_V2))
 def test_decode_rejects_malformed_v2_payload(payload, match):
-    assert payload[4] in (2, 5)  # 5: the unknown-version case
+    assert payload[4] in (2, 6)  # 6: the unknown-version case
     with pytest.raises(PayloadError, match=match):
         decode(payload, EXPECTED)
 
@@ -875,12 +875,12 @@ def test_v1_payloads_still_decode():
             for k in update:
                 np.testing.assert_array_equal(decoded[k], sparse[k].to_dense())
             record = from_record(to_record(v1))
-            assert record == v1 and to_record(v1)["version"] == 1
+            assert record == v1 and dict(to_record(v1)) == {"payload": v1}
 
 
 def test_encode_rejects_unknown_version():
     t = SparseTensor((2,), np.array([0]), np.array([1], np.int8), 1.0, "int8")
-    for version in (0, 5, "2", True, 2.0):
+    for version in (0, 6, "2", True, 2.0):
         with pytest.raises(ValueError, match="Invalid version"):
             encode({"t": t}, version=version)
 
@@ -1122,14 +1122,14 @@ def test_encode_v4_writes_the_documented_bytes_and_leaves_zero_codes_out():
         "w": SparseTensor((2, 4), np.array([1, 3, 6]), np.array([5, 0, -7], np.int8), 1.0, "int4"),
         "b": SparseTensor((3,), np.array([2]), np.array([0], np.int8), 1.0, "int4"),  # only a zero code
     }
-    payload = encode(sparse)
+    payload = encode(sparse, version=4)
     assert payload == raw_payload_v4()
     out = decode(payload, EXPECTED)
     for name in sparse:
         np.testing.assert_array_equal(out[name], sparse[name].to_dense())
     # int8 keeps version 3's value block; its zero codes are left out as well
     int8 = {n: SparseTensor(t.shape, t.indices, t.codes, t.scale, "int8") for n, t in sparse.items()}
-    assert encode(int8) == raw_payload_v4(EMPTY_B2, raw_tensor_v2(enc=2, index=BITMAP_W, values=VALUES_W), mode=1)
+    assert encode(int8, version=4) == raw_payload_v4(EMPTY_B2, raw_tensor_v2(enc=2, index=BITMAP_W, values=VALUES_W), mode=1)
 
 
 def test_v4_codes_skewed_magnitudes_in_fewer_bits_than_v3():
@@ -1139,7 +1139,7 @@ def test_v4_codes_skewed_magnitudes_in_fewer_bits_than_v3():
     magnitudes = rng.choice(np.arange(1, 8), size=4000, p=[0.35, 0.4, 0.15, 0.05, 0.03, 0.01, 0.01])
     codes = (magnitudes * rng.choice([-1, 1], size=4000)).astype(np.int8)
     t = SparseTensor((40_000,), np.sort(rng.choice(40_000, 4000, replace=False)), codes, 0.5, "int4")
-    v3, v4 = encode({"t": t}, version=3), encode({"t": t})
+    v3, v4 = encode({"t": t}, version=3), encode({"t": t}, version=4)
     p = np.bincount(magnitudes)[1:] / magnitudes.size
     entropy_bytes = 4000 * (1 - (p * np.log2(p)).sum()) / 8  # sign + magnitude entropy
     values_v3 = 2 + 4000 * 4 // 8  # low, width 3, then sign + 3 bits a value
@@ -1202,8 +1202,120 @@ def test_decode_rejects_malformed_v4_payload(payload, match):
 def test_decode_rejects_every_v4_truncation():
     rng = np.random.default_rng(14)
     update = model_update(rng)
-    payload = encode(ErrorFeedback(mode="int4").compress(update, 0.02))
+    payload = encode(ErrorFeedback(mode="int4").compress(update, 0.02), version=4)
     assert payload[4] == 4
+    decode(payload, expected_for(update))
+    for cut in range(len(payload)):
+        with pytest.raises(PayloadError, match="truncated payload|Rice|padding|codeword|sign bits"):
+            decode(payload[:cut], expected_for(update))
+
+
+# --------------------------------------------------------------------------- version 5 payloads
+
+# The same update as version 4's: tensor "b" sends nothing (count 0, no table); tensor "w"
+# carries its own table (TABLE_W) right after its count; the value stream is the same.
+def raw_payload_v5(*tensors: bytes, stream: bytes = STREAM_W, mode: int = 3) -> bytes:
+    tensors = tensors or (EMPTY_B2, raw_tensor_v5())
+    header = MAGIC + bytes([5, mode]) + struct.pack("<I", FINGERPRINT)
+    return header + b"".join(tensors) + (stream if mode == 3 else b"")
+
+
+def raw_tensor_v5(table: bytes = TABLE_W, **fields) -> bytes:
+    record = raw_tensor_v2(**{"enc": 2, "index": BITMAP_W, "values": b"", **fields})
+    return record[:1] + table + record[1:]  # count (one byte here), table, then version 2's fields
+
+
+def test_encode_v5_writes_the_documented_bytes():
+    sparse = {
+        "w": SparseTensor((2, 4), np.array([1, 3, 6]), np.array([5, 0, -7], np.int8), 1.0, "int4"),
+        "b": SparseTensor((3,), np.array([2]), np.array([0], np.int8), 1.0, "int4"),  # only a zero code
+    }
+    payload = encode(sparse)
+    assert payload == raw_payload_v5()
+    out = decode(payload, EXPECTED)
+    for name in sparse:
+        np.testing.assert_array_equal(out[name], sparse[name].to_dense())
+    # int8 payloads are version 4's records under version 5's number
+    int8 = {n: SparseTensor(t.shape, t.indices, t.codes, t.scale, "int8") for n, t in sparse.items()}
+    assert encode(int8) == raw_payload_v5(EMPTY_B2, raw_tensor_v2(enc=2, index=BITMAP_W, values=VALUES_W), mode=1)
+
+
+def test_v5_codes_each_tensor_with_its_own_table():
+    """Two tensors whose magnitudes differ (one mostly 1, one mostly 5-7): a code per
+    tensor takes about their entropies, one code for both takes more (version 4)."""
+    rng = np.random.default_rng(8)
+
+    def tensor(p):
+        magnitudes = rng.choice(np.arange(1, 8), size=3000, p=p)
+        codes = (magnitudes * rng.choice([-1, 1], size=3000)).astype(np.int8)
+        return SparseTensor((30_000,), np.sort(rng.choice(30_000, 3000, replace=False)), codes, 0.5, "int4"), magnitudes
+
+    (low, m_low), (high, m_high) = tensor([0.7, 0.2, 0.1, 0, 0, 0, 0]), tensor([0, 0, 0, 0.1, 0.3, 0.3, 0.3])
+    sparse = {"a": low, "b": high}
+    v4, v5 = encode(sparse, version=4), encode(sparse)
+
+    def entropy_bits(m):
+        p = np.bincount(m)[1:] / m.size
+        p = p[p > 0]
+        return -m.size * (p * np.log2(p)).sum()
+
+    joint = entropy_bits(np.concatenate([m_low, m_high]))
+    apart = entropy_bits(m_low) + entropy_bits(m_high)
+    assert len(v4) - len(v5) > 0.9 * (joint - apart) / 8 - 3  # less one more 3-byte table
+    expected = {"a": ((30_000,), np.float32), "b": ((30_000,), np.float32)}
+    for name, out in decode(v5, expected).items():
+        np.testing.assert_array_equal(out, sparse[name].to_dense())
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), ratio=st.floats(0.01, 1.0))
+def test_v5_decodes_to_version_4s_arrays(seed, ratio):
+    rng = np.random.default_rng(seed)
+    update = model_update(rng)
+    sparse = ErrorFeedback(mode="int4").compress(update, ratio)
+    v4, v5 = decode(encode(sparse, version=4), expected_for(update)), decode(encode(sparse), expected_for(update))
+    for name in update:
+        np.testing.assert_array_equal(v5[name], v4[name])
+
+
+w5 = raw_payload_v5
+TWO_TENSORS = {"w": ((2, 4), np.float32), "b": ((3,), np.float32)}
+B_ONE = raw_tensor_v5(table=bytes([0x01, 0, 0]), count=1, index=bytes([0b100]))  # "b": index 2, magnitude 1 (code "0")
+# sign bits 0 ("b"), 0, 1 ("w"), then "b"'s codeword 0 and "w"'s 0, 1 (its own table): LSB first
+TWO_STREAM = bytes([0b100100])
+
+
+def test_v5_reads_each_records_codewords_with_its_own_table():
+    out = decode(w5(B_ONE, raw_tensor_v5(), stream=TWO_STREAM), TWO_TENSORS)
+    np.testing.assert_array_equal(out["b"], np.float32([0, 0, 1]) / 7)  # int4: code / 7 * scale
+    np.testing.assert_array_equal(out["w"], np.float32([[0, 5, 0, 0], [0, 0, -7, 0]]) / 7)
+
+
+MALFORMED_V5 = {
+    "over-full record table": (w5(EMPTY_B2, raw_tensor_v5(table=bytes([0, 0x10, 0x05]))), "tensor 'w' code-length table: code lengths"),
+    "record table padding bits": (w5(EMPTY_B2, raw_tensor_v5(table=bytes([0, 0x10, 0x84]))), "tensor 'w' code-length table: code-length table padding"),
+    "an empty record table": (w5(EMPTY_B2, raw_tensor_v5(table=bytes(3))), "tensor 'w'.*empty code-length table"),
+    "record table cut off": (MAGIC + bytes([5, 3]) + struct.pack("<I", FINGERPRINT) + EMPTY_B2 + bytes([2, 0]),
+                             "truncated payload: tensor 'w' code-length table"),
+    # "w"'s codewords "0" "1" read with "b"'s one-symbol table ("0" only): the second is no codeword
+    "codewords of the other table": (w5(B_ONE, raw_tensor_v5(table=bytes([0x01, 0, 0])), stream=TWO_STREAM),
+                                     "tensor 'w': value 2 of 2 is no codeword"),
+    "stream padding bits": (w5(stream=bytes([0b1001_1010])), "padding must be under a byte of zeros"),
+    "stream ends inside the codewords": (w5(stream=b""), "fewer than the 2 sign bits"),
+}
+
+
+@pytest.mark.parametrize("payload, match", list(MALFORMED_V5.values()), ids=list(MALFORMED_V5))
+def test_decode_rejects_malformed_v5_payload(payload, match):
+    with pytest.raises(PayloadError, match=match):
+        decode(payload, TWO_TENSORS)
+
+
+def test_decode_rejects_every_v5_truncation():
+    rng = np.random.default_rng(15)
+    update = model_update(rng)
+    payload = encode(ErrorFeedback(mode="int4").compress(update, 0.05))
+    assert payload[4] == 5
     decode(payload, expected_for(update))
     for cut in range(len(payload)):
         with pytest.raises(PayloadError, match="truncated payload|Rice|padding|codeword|sign bits"):
@@ -1233,7 +1345,10 @@ def test_config_record_round_trip_through_protobuf():
     [
         ({"format": "fedind.topk", "version": 1}, "keys"),
         ({"format": "fedind.other", "version": 1, "payload": b""}, "format"),
-        ({"format": "fedind.topk", "version": 5, "payload": b""}, "version"),
+        ({"format": "fedind.topk", "version": 6, "payload": b""}, "version"),
+        ({"payload": b"", "site": "a"}, "keys"),
+        ({}, "keys"),
+        ({"payload": "FIDZ"}, "must be bytes"),
         ({"format": "fedind.topk", "version": 1, "payload": MAGIC + b"\x02\x01"}, "record version 1 != payload 2"),
         ({"format": "fedind.topk", "version": 2, "payload": MAGIC + b"\x01\x01"}, "record version 2 != payload 1"),
         ({"format": "fedind.topk", "version": True, "payload": b""}, "version"),
@@ -1246,12 +1361,14 @@ def test_from_record_rejects_foreign_records(record, match):
         from_record(record)
 
 
-def test_to_record_carries_the_payload_version():
+def test_to_record_carries_only_the_payload_and_from_record_reads_older_records():
     for version in VERSIONS:
         payload = raw_payload_v2(version=version) if version >= 2 else raw_payload()
         record = to_record(payload)
-        assert record["version"] == version and from_record(record) == payload
-    for junk in (b"", b"FIDZ", b"FIDZ\x05", b"XXXX\x02"):
+        assert dict(record) == {"payload": payload} and from_record(record) == payload
+        older = {"format": "fedind.topk", "version": version, "payload": payload}  # wire formats 1-4's record
+        assert from_record(older) == payload
+    for junk in (b"", b"FIDZ", b"FIDZ\x06", b"XXXX\x02"):
         with pytest.raises(ValueError, match="Invalid payload"):
             to_record(junk)
 

@@ -27,7 +27,7 @@ from ..data.sources import check_data_root, global_test_set, phase_test_set, res
 from ..data.synthetic import NUM_CLASSES
 from .diagnostics import FeatureLog, common_cause, failure_line, inferred_classes_warning, site_score
 from ..continual.expansion import head_classes
-from .metering import MeteredGrid, Traffic
+from .metering import MeteredGrid, SiteReply, Traffic
 from .monitoring import RunMonitor, code_version
 from ..models import FaultCNN
 from .pipeline import ReplyPipeline
@@ -252,7 +252,10 @@ def run_server(grid: Grid, config: RunConfig) -> dict:
     )
     if first_round > config.num_server_rounds:  # resumed after its last round: publish again
         final = publish(config.num_server_rounds, arrays, fold=False)
-    per_site = evaluate_at_sites(metered, node_ids, final, run_config_json, config.round_timeout)
+    per_site, replies = evaluate_at_sites(metered, node_ids, final, run_config_json, config.round_timeout)
+    if continual is not None:  # the final replies carry the replay buffers' figures with the last batch
+        for reply in replies:
+            continual.note_replay(reply.site_id, reply.metrics)
     summary = _finish(
         config, recorder, final, per_site, time.monotonic() - started, num_sites, site_cpu,
         continual=continual.summary() if continual is not None else None,
@@ -410,9 +413,10 @@ def _round_row(server_round: int, accuracy: float, loss: float, traffic: Traffic
 
 def evaluate_at_sites(
     grid: MeteredGrid, node_ids: list[int], arrays: ArrayRecord, run_config_json: str, timeout: float
-) -> dict[str, dict]:
+) -> tuple[dict[str, dict], list[SiteReply]]:
     """One evaluate round: every site scores the final model on its own test split (a site
-    without one scores nothing; :func:`fedind.server.diagnostics.site_score` reads what each sent)."""
+    without one scores nothing; :func:`fedind.server.diagnostics.site_score` reads what each sent).
+    Returns the scores per site and the replies."""
     content = RecordDict({wire.ARRAYS: arrays, wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: run_config_json})})
     messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in node_ids]
     grid.send_and_receive(messages, timeout=timeout)
@@ -426,7 +430,7 @@ def evaluate_at_sites(
     for site, entry in per_site.items():
         if entry["accuracy"] is None:
             log(WARNING, "final evaluation: site %s: %s", site, entry["note"])
-    return per_site
+    return per_site, traffic.replies
 
 
 def _finish(

@@ -167,7 +167,7 @@ class PhaseController:
             if reply.has_error():
                 continue
             site, metrics, proposal, histogram = _reported(reply)
-            self._note_replay(site, metrics)
+            self.note_replay(site, metrics)
             if histogram is not None:
                 self.declared[site] = list(histogram)
             seen = metrics.get(wire.CLASSES_SEEN)
@@ -274,7 +274,7 @@ class PhaseController:
                 log(WARNING, "phase %d end: node %d failed: %s", phase, reply.metadata.src_node_id, reply.error.reason)
                 continue
             metrics = next(iter(reply.content.metric_records.values()), {})
-            self._note_replay(site_id_of(reply), metrics)
+            self.note_replay(site_id_of(reply), metrics)
             if self.ewc is None:
                 continue
             try:
@@ -388,7 +388,8 @@ class PhaseController:
         return {site: [c + self.replay.get(site, {}).get("samples", 0) for c in histogram]
                 for site, histogram in self.declared.items()}
 
-    def _note_replay(self, site: str, metrics: Mapping) -> None:
+    def note_replay(self, site: str, metrics: Mapping) -> None:
+        """Keep a site's replay-buffer figures (phase-end and final replies carry them)."""
         if wire.REPLAY_SAMPLES not in metrics:
             return
         entry = self.replay.setdefault(site, {"samples": 0, "bytes": 0, "windows": 0})

@@ -47,7 +47,7 @@ from ..models import FaultCNN
 from ..aggregation.averaging import ema_step
 from ..edge.publish import SERVE_DIR_KEY, publish_received
 from ..training import (
-    TrainResult, cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts,
+    cosine_lr, pick_device, prior_logit_adjustment, sample_losses, train_local, trained_label_counts,
     window_features,
 )
 from .cache import cached_conditioning
@@ -169,8 +169,6 @@ def train(msg: Message, context: Context) -> Message:
     num_classes = model.head.out_features
     # New classes (phases > 1) wait until the head has them; classes-seen tells the server.
     train_data = known(site.train, num_classes)
-    # Score the global model on local data first: the site's view of the federation.
-    before = evaluate_known(model, site.test if site.test is not None else site.train, device)
     seen = classes_seen(site.train, site.test) if config.phases > 1 else num_classes
     # Classes the head lacks, and the phase's young classes (the server's refit-from): propose
     # their rows, fitted on the model as received (fedind.continual.phases).
@@ -201,40 +199,38 @@ def train(msg: Message, context: Context) -> Message:
     # A line whose windows are all of classes the head lacks trains nothing this round, but
     # still replies (0 examples, the model as received): its classes-seen and proposed rows
     # are how the server learns of the new class.
-    result = TrainResult(loss=0.0, steps=0) if not train_data.num_examples else train_local(
-        model,
-        train_data,
-        epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        lr=cosine_lr(config.learning_rate, config.lr_progress(server_round)),
-        seed=seed,
-        device=device,
-        proximal_mu=float(msg.content[wire.CONFIG].get("proximal-mu", 0.0)),
-        momentum=config.local_momentum,
-        logit_adjustment=adjustment,
-        replay=replay,
-        replay_ratio=replay_ratio,
-        penalty=received_penalty(msg, config, model, num_classes),
-        grad_clip=config.local_grad_clip,
-        stretch=config.local_stretch_at(server_round),
-        conditioned=conditioned,
-        trainable=announced_masks(msg, model, config),
-    )
+    if train_data.num_examples:
+        train_local(
+            model,
+            train_data,
+            epochs=config.local_epochs,
+            batch_size=config.batch_size,
+            lr=cosine_lr(config.learning_rate, config.lr_progress(server_round)),
+            seed=seed,
+            device=device,
+            proximal_mu=float(msg.content[wire.CONFIG].get("proximal-mu", 0.0)),
+            momentum=config.local_momentum,
+            logit_adjustment=adjustment,
+            replay=replay,
+            replay_ratio=replay_ratio,
+            penalty=received_penalty(msg, config, model, num_classes),
+            grad_clip=config.local_grad_clip,
+            stretch=config.local_stretch_at(server_round),
+            conditioned=conditioned,
+            trainable=announced_masks(msg, model, config),
+        )
+    # What the server reads every round, and the site's cost. The replay buffer changes only
+    # at phase ends: its figures ride the phase-end and final replies (docs/compression.md).
     metrics = MetricRecord(
         {
             wire.NUM_EXAMPLES: train_data.num_examples,
-            wire.TRAIN_LOSS: result.loss,
             wire.LABEL_HISTOGRAM: [int(c) for c in histogram],
-            wire.LOCAL_ACCURACY: before.accuracy,
-            wire.LOCAL_LOSS: before.loss,
             wire.TRAIN_SECONDS: time.process_time() - started,
             wire.PEAK_RSS_MB: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
     )
     if config.phases > 1:
         metrics[wire.CLASSES_SEEN] = seen
-        if config.replay_samples:
-            metrics.update(replay_metrics(buffer, train_data))
     content = RecordDict(
         {wire.ARRAYS: _state(model), wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})}
     )
@@ -265,6 +261,9 @@ def evaluate_global(msg: Message, context: Context) -> Message:
         metrics = MetricRecord(
             {wire.NUM_EXAMPLES: result.num_examples, "accuracy": result.accuracy, "loss": result.loss}
         )
+    if config.replay_samples and config.phases > 1:  # the last phase's batch counts in windows-seen
+        data = known(site.train, model.head.out_features)
+        metrics.update(replay_metrics(load_replay(context, config, site.site_id, data, model.head.out_features), data))
     content = RecordDict({wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
     return Message(content=content, reply_to=msg)
 
