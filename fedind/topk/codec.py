@@ -20,7 +20,8 @@ the last record: every sign bit in record order, then the codewords) each record
 magnitudes are coded with its own table, record after record. The layers of a network
 crowd different magnitudes (on the plant's warm-up round one convolution's codes are
 mostly 2-4, another's 1), so one code per tensor comes nearer their entropy than one for
-the payload: a warm-up reply is 4-5 % smaller, a later reply's payload about 4 %.
+the payload: on the plant runs a warm-up payload is 2.5 % smaller on average (15-360 B),
+a later one about 6 % (75 B).
 
 Wire format version 4 (older; still decoded, written with ``encode(..., version=4)``)
 ----------------------------------------------------------------------------------
