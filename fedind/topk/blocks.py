@@ -85,6 +85,19 @@ def encode_indices(indices: np.ndarray, numel: int, rice: bool = False) -> tuple
     return INDEX_RICE, _encode_rice(gaps, k)
 
 
+def bit_fields(values: np.ndarray, width: int) -> np.ndarray:
+    """The low ``width`` bits of each non-negative value, LSB first: ``[n, width]`` of 0/1
+    (uint8); ravelled, the bit stream of fixed-width fields that every block here packs."""
+    shifts = np.arange(width, dtype=np.uint64)
+    return ((np.asarray(values).astype(np.uint64)[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)
+
+
+def field_values(fields: np.ndarray) -> np.ndarray:
+    """The unsigned values (uint64) of ``[n, width]`` LSB-first bit fields: :func:`bit_fields` undone."""
+    shifts = np.arange(fields.shape[1], dtype=np.uint64)
+    return (fields.astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
+
+
 def _rice_bits(gaps: np.ndarray, k: int) -> int:
     """Bits of the Rice code of ``gaps`` with parameter ``k``: a unary quotient and a stop
     bit per gap, and ``k`` remainder bits."""
@@ -102,7 +115,7 @@ def _encode_rice(gaps: np.ndarray, k: int) -> bytes:
     ``k``-bit remainder, then every gap's quotient ``q`` as ``q`` zero bits and a one,
     padded with zero bits to a whole byte. Remainders and quotients in separate runs so
     that both sides are vectorised."""
-    remainders = ((gaps[:, None] >> np.arange(k)) & 1).astype(np.uint8).ravel()
+    remainders = bit_fields(gaps, k).ravel()
     quotients = gaps >> k
     unary = np.zeros(int(quotients.sum()) + gaps.size, dtype=np.uint8)
     unary[np.cumsum(quotients + 1) - 1] = 1
@@ -161,8 +174,8 @@ def _decode_rice_indices(block: bytes, count: int, numel: int, where: str) -> np
     quotients = np.diff(stops, prepend=-1) - 1
     if int(quotients.sum()) > numel >> k:  # before shifting: sum(gaps) >= 2**k * sum(q)
         raise PayloadError(f"{where}: Rice gaps run past numel {numel} (index out of range)")
-    remainders = bits[: count * k].reshape(count, k).astype(np.uint64) << np.arange(k, dtype=np.uint64)
-    gaps = (quotients.astype(np.uint64) << np.uint64(k)) | remainders.sum(axis=1, dtype=np.uint64)
+    remainders = field_values(bits[: count * k].reshape(count, k))
+    gaps = (quotients.astype(np.uint64) << np.uint64(k)) | remainders
     indices = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)  # < 2**64 by the check above
     if indices[-1] >= numel:
         raise PayloadError(f"{where}: index {int(indices[-1])} out of range for numel {numel}")
@@ -224,9 +237,8 @@ def encode_codes_v3(t: SparseTensor) -> bytes:
     mags = np.abs(t.codes.astype(np.int16))
     low = int(mags.min())
     width = int(mags.max() - low).bit_length()
-    offsets = (mags - low)[:, None] >> np.arange(width)
-    bits = np.concatenate([(t.codes < 0)[:, None].astype(np.int16), offsets & 1], axis=1)
-    return bytes([low, width]) + np.packbits(bits.astype(np.uint8).ravel(), bitorder="little").tobytes()
+    bits = np.concatenate([(t.codes < 0)[:, None].astype(np.uint8), bit_fields(mags - low, width)], axis=1)
+    return bytes([low, width]) + np.packbits(bits.ravel(), bitorder="little").tobytes()
 
 
 def decode_codes(value_block: bytes, count: int, mode: str, where: str) -> np.ndarray:
@@ -264,8 +276,8 @@ def decode_codes_v3(r: "Reader", count: int, mode: str, where: str) -> np.ndarra
     bits = np.unpackbits(np.frombuffer(block, dtype=np.uint8), bitorder="little")
     if bits[count * (1 + width) :].any():
         raise PayloadError(f"{where}: value block padding bits are set")
-    fields = bits[: count * (1 + width)].reshape(count, 1 + width).astype(np.int16)
-    mags = low + (fields[:, 1:] << np.arange(width, dtype=np.int16)).sum(axis=1, dtype=np.int16)
+    fields = bits[: count * (1 + width)].reshape(count, 1 + width)
+    mags = low + field_values(fields[:, 1:]).astype(np.int16)
     if np.any(mags > levels):
         raise PayloadError(f"{where}: {mode} code magnitude {int(mags.max())} > {levels}")
     if np.any((mags == 0) & (fields[:, 0] == 1)):
@@ -352,8 +364,7 @@ def _canonical_codes(lengths: np.ndarray) -> np.ndarray:
 
 def pack_lengths(lengths: np.ndarray) -> bytes:
     """The code-length table: each length in 3 bits (LSB first), padded to whole bytes."""
-    bits = (lengths[:, None] >> np.arange(_LENGTH_BITS)) & 1
-    return np.packbits(bits.astype(np.uint8).ravel(), bitorder="little").tobytes()
+    return np.packbits(bit_fields(lengths, _LENGTH_BITS).ravel(), bitorder="little").tobytes()
 
 
 def table_size(symbols: int = HUFFMAN_SYMBOLS) -> int:
@@ -366,8 +377,7 @@ def unpack_lengths(block: bytes, symbols: int, where: str) -> np.ndarray:
     bits = np.unpackbits(np.frombuffer(block, dtype=np.uint8), bitorder="little")
     if bits[symbols * _LENGTH_BITS :].any():
         raise PayloadError(f"{where}: code-length table padding bits are set")
-    lengths = (bits[: symbols * _LENGTH_BITS].reshape(symbols, _LENGTH_BITS).astype(np.int64)
-               << np.arange(_LENGTH_BITS)).sum(axis=1)
+    lengths = field_values(bits[: symbols * _LENGTH_BITS].reshape(symbols, _LENGTH_BITS)).astype(np.int64)
     used = lengths[lengths > 0]
     if used.size and (np.ldexp(1.0, -used)).sum() > 1.0:
         raise PayloadError(f"{where}: code lengths {lengths.tolist()} are not a prefix code (Kraft sum > 1)")
