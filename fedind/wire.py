@@ -38,10 +38,8 @@ LOCAL_EPOCHS = "local-epochs"  # the run's local-epochs, likewise (fedind's agen
 
 # MetricRecord keys, site -> server
 NUM_EXAMPLES = "num-examples"  # Flower's default weighting key
-TRAIN_LOSS = "train-loss"
+TRAIN_LOSS = "train-loss"  # Flower's usual metric; fedind's sites do not send it (the server reads no loss)
 LABEL_HISTOGRAM = "label-histogram"  # list[int], one count per class of the global model
-LOCAL_ACCURACY = "local-accuracy"  # received global model on the site's own test split
-LOCAL_LOSS = "local-loss"
 TRAIN_SECONDS = "train-seconds"  # CPU seconds of local training
 PEAK_RSS_MB = "peak-rss-mb"  # peak resident memory of the site agent's process, MiB
 COMPRESS_SECONDS = "compress-seconds"  # CPU seconds of sparsifying + encoding the update
