@@ -400,7 +400,9 @@ def killed_site_scenario(scenario) -> None:
             # past the round timeout, starts), never round 2's
             assert victim.text().count("Sent successfully") <= 1
             killed = time.monotonic()
-            plant.wait_for(lambda: any(line in run.text() for line in OFFLINE), 120, "line-00 offline", run, every=1)
+            # 240 s: the streamed log lagged past 120 s once in CI under load; rounds.csv below
+            # still checks that round 2 itself ended within the round timeout
+            plant.wait_for(lambda: any(line in run.text() for line in OFFLINE), 240, "line-00 offline", run, every=1)
             offline_after = time.monotonic() - killed
             # A site that stays away does not stall the run: a round goes on with the other two.
             plant.wait_for(lambda: re.search(r"round ([3-9]|10)/10 .* sites 2  failed 0", run.text()), 120,
