@@ -262,8 +262,9 @@ def evaluate_global(msg: Message, context: Context) -> Message:
             {wire.NUM_EXAMPLES: result.num_examples, "accuracy": result.accuracy, "loss": result.loss}
         )
     if config.replay_samples and config.phases > 1:  # the last phase's batch counts in windows-seen
-        data = known(site.train, model.head.out_features)
-        metrics.update(replay_metrics(load_replay(context, config, site.site_id, data, model.head.out_features), data))
+        num_classes = model.head.out_features
+        data = known(site.train, num_classes)
+        metrics.update(replay_metrics(load_replay(context, config, site.site_id, data, num_classes), data))
     content = RecordDict({wire.METRICS: metrics, wire.SITE: ConfigRecord({wire.SITE_ID: site.site_id})})
     return Message(content=content, reply_to=msg)
 

@@ -246,9 +246,11 @@ def _without_zero_codes(t: SparseTensor) -> SparseTensor:
     return SparseTensor(t.shape, t.indices[keep], t.codes[keep], scale, t.mode)
 
 
-def _magnitude_code(codes: np.ndarray) -> np.ndarray:
-    """Huffman code lengths of the int4 magnitudes 1..7 of ``codes`` (zeros where absent)."""
-    return huffman_lengths(np.bincount(np.abs(codes.astype(np.int16)) - 1, minlength=HUFFMAN_SYMBOLS))
+def _magnitude_run(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A run of the value stream: the Huffman symbols of ``codes`` (int4 magnitude - 1) and
+    their code lengths (zeros for magnitudes absent)."""
+    symbols = np.abs(codes.astype(np.int16)) - 1
+    return symbols, huffman_lengths(np.bincount(symbols, minlength=HUFFMAN_SYMBOLS))
 
 
 def encode(sparse: Mapping[str, SparseTensor], version: int = VERSION) -> bytes:
@@ -283,8 +285,8 @@ def encode(sparse: Mapping[str, SparseTensor], version: int = VERSION) -> bytes:
         parts = [_HEADER.pack(MAGIC, version, _MODE_CODE[mode], fingerprint)]
         if stream:
             codes = np.concatenate([t.codes for t in tensors]).astype(np.int16)
-            # (codes, code lengths) of each run of the value stream: one per record (v5) or one in all (v4)
-            runs = [(t.codes, _magnitude_code(t.codes)) for t in tensors] if per_record else [(codes, _magnitude_code(codes))]
+            # (symbols, code lengths) of each run of the value stream: one per record (v5) or one in all (v4)
+            runs = [_magnitude_run(t.codes) for t in tensors] if per_record else [_magnitude_run(codes)]
             if not per_record:
                 parts.append(pack_lengths(runs[0][1]))
         for i, t in enumerate(tensors):
@@ -298,7 +300,7 @@ def encode(sparse: Mapping[str, SparseTensor], version: int = VERSION) -> bytes:
             if not stream:
                 parts.append(encode_codes_v3(t) if version >= 3 else encode_codes(t))
         if stream and codes.size:
-            words = [huffman_bits(np.abs(c.astype(np.int16)) - 1, lengths) for c, lengths in runs]
+            words = [huffman_bits(symbols, lengths) for symbols, lengths in runs]
             bits = np.concatenate([(codes < 0).astype(np.uint8), *words])
             parts.append(np.packbits(bits, bitorder="little").tobytes())
         return b"".join(parts)
