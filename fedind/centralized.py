@@ -78,6 +78,7 @@ def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
             momentum=config.local_momentum,
             grad_clip=config.local_grad_clip,
             stretch=config.local_stretch_at(step + 1),
+            stretch_gate=config.local_stretch_gate,
             logit_adjustment=adjustment,
         )
         curve.append(evaluate(model, test_set, device).accuracy)

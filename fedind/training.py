@@ -155,6 +155,7 @@ def train_local(
     conditioned: torch.Tensor | None = None,
     trainable: Mapping[str, torch.Tensor] | None = None,
     stretch: float = 1.0,
+    stretch_gate: float = 0.0,
 ) -> TrainResult:
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
 
@@ -187,6 +188,10 @@ def train_local(
     ``stretch = r > 1``: every batch is time-scaled by a factor drawn log-uniformly from
     ``[1/r, r]`` (:func:`time_stretch`; a generator of its own, so the order and the replay
     draws are those without it): a line sees its faults at the speeds of other lines.
+    ``stretch_gate = g > 0`` holds the stretch back until the model has learnt something
+    from the plain batches: stretching starts (for the rest of the call) at the first step
+    whose running loss is below ``g`` times the loss of a model that knows nothing
+    (:func:`chance_loss`), so a model still at chance learns the plain task first.
 
     With the defaults the steps are exactly those of plain training.
     """
@@ -199,6 +204,8 @@ def train_local(
         )
     if isinstance(stretch, bool) or not (isinstance(stretch, (int, float)) and 1.0 <= stretch < math.inf):
         raise ValueError(f"Invalid stretch value: {stretch!r} (expected a finite number >= 1; 1 = off)")
+    if isinstance(stretch_gate, bool) or not (isinstance(stretch_gate, (int, float)) and 0.0 <= stretch_gate <= 1.0):
+        raise ValueError(f"Invalid stretch_gate value: {stretch_gate!r} (expected a number in [0, 1]; 0 = off)")
     if replay is not None and replay.num_examples and replay.sample_shape != data.sample_shape:
         raise ValueError(f"replay windows {replay.sample_shape} differ from the data's {data.sample_shape}")
     model.to(device).train()
@@ -231,6 +238,7 @@ def train_local(
             f"got {tuple(adjust.shape)} for {len(data.y)} examples, replay={'on' if mix else 'off'}"
         )
     total, steps = 0.0, 0
+    stretching, running = stretch_gate == 0.0, None  # running: the loss / chance loss, smoothed
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=generator).to(device)
         for start in range(0, len(y), batch_size):
@@ -242,12 +250,18 @@ def train_local(
                 xb, yb = torch.cat([xb, x_mem[pick]]), torch.cat([yb, y_mem[pick]])
             if stretch_generator is not None:
                 draw = torch.rand(2, generator=stretch_generator)
-                xb = time_stretch(xb, float(stretch ** (2 * draw[0] - 1)), float(draw[1]))
+                if stretching:
+                    xb = time_stretch(xb, float(stretch ** (2 * draw[0] - 1)), float(draw[1]))
             with _autocast(device):
                 logits = forward(xb)
-                if adjust is not None:
-                    logits = logits + (adjust[batch] if per_example else adjust)
+                batch_adjust = None if adjust is None else (adjust[batch] if per_example else adjust)
+                if batch_adjust is not None:
+                    logits = logits + batch_adjust
                 loss = loss_fn(logits, yb)
+            if not stretching:
+                ratio = float(loss.detach()) / chance_loss(yb, logits.shape[-1], batch_adjust)
+                running = ratio if running is None else 0.8 * running + 0.2 * ratio
+                stretching = running < stretch_gate
             if anchor is not None:
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
                 loss = loss + 0.5 * proximal_mu * prox
@@ -267,6 +281,17 @@ def train_local(
             total += float(loss.detach())
             steps += 1
     return TrainResult(loss=total / max(steps, 1), steps=steps)
+
+
+def chance_loss(labels: torch.Tensor, num_classes: int, adjustment: torch.Tensor | None = None) -> float:
+    """The training loss of a model that knows nothing (all logits zero) on ``labels``:
+    ``log(num_classes)``, or with a logit adjustment the cross-entropy of the adjustment
+    alone (with ``tau = 1`` about the entropy of the site's labels). The yardstick of
+    ``train_local``'s stretch gate: a ratio, not a loss level, means the same on every line."""
+    if adjustment is None:
+        return math.log(num_classes)
+    rows = adjustment.float().expand(len(labels), num_classes) if adjustment.ndim == 1 else adjustment.float()
+    return max(float(nn.functional.cross_entropy(rows, labels)), 1e-6)
 
 
 def _side_generator(seed: int, stream: int) -> torch.Generator:

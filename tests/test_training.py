@@ -8,7 +8,14 @@ import torch
 
 from fedind.data.format import SiteArrays
 from fedind.models import FaultCNN
-from fedind.training import _split_front_end, prior_logit_adjustment, time_stretch, train_local, trained_label_counts
+from fedind.training import (
+    _split_front_end,
+    chance_loss,
+    prior_logit_adjustment,
+    time_stretch,
+    train_local,
+    trained_label_counts,
+)
 from simulations.step_time import WholeModel
 
 
@@ -235,3 +242,40 @@ def test_stretched_training_is_seeded_and_off_at_one():
         with pytest.raises(ValueError, match="stretch"):
             train_local(FaultCNN(in_channels=1, num_classes=4, width=8), data, epochs=1, batch_size=8,
                         lr=0.05, seed=1, device=torch.device("cpu"), stretch=bad)
+
+
+def test_chance_loss_is_a_know_nothing_models_loss():
+    """Zero logits lose log(C); with the labels' own log-prior as the adjustment, the loss
+    of the adjustment alone is the labels' entropy; per-example rows are read row by row."""
+    labels = torch.tensor([0, 0, 0, 1, 2, 2])
+    assert chance_loss(labels, 4) == pytest.approx(math.log(4))
+    prior = np.array([3, 1, 2, 0]) / 6
+    entropy = -sum(p * math.log(p) for p in prior if p > 0)
+    assert chance_loss(labels, 4, prior_logit_adjustment([3, 1, 2, 0])) == pytest.approx(entropy, rel=1e-3)
+    rows = torch.zeros(6, 4)
+    assert chance_loss(labels, 4, rows) == pytest.approx(math.log(4))
+
+
+def test_the_stretch_gate_trains_plain_until_the_model_beats_chance():
+    """``stretch_gate`` g: a gate the model never passes (g tiny) is plain training bit for
+    bit; a gate it passes (g = 0.9, each class its own rhythm) switches the stretch on
+    part-way, so the model is neither the plain one nor the one stretched from the first step."""
+    rng = np.random.default_rng(0)
+    y = np.array([0, 1, 2, 3] * 9)
+    t = np.arange(300)
+    rhythm = np.sin(2 * np.pi * t / (8 + 6 * y[:, None]) + rng.uniform(0, 6, (len(y), 1)))
+    data = SiteArrays(x=(rhythm + 0.3 * rng.standard_normal(rhythm.shape)).astype(np.float32)[:, None, :], y=y)
+    trained = {}
+    for name, extra in (("plain", {}), ("never", {"stretch": 1.5, "stretch_gate": 1e-6}),
+                        ("gated", {"stretch": 1.5, "stretch_gate": 0.9}), ("always", {"stretch": 1.5})):
+        torch.manual_seed(0)
+        model = FaultCNN(in_channels=1, num_classes=4, width=8)
+        train_local(model, data, epochs=4, batch_size=8, lr=0.05, seed=1, device=torch.device("cpu"), **extra)
+        trained[name] = model.state_dict()
+    same = lambda a, b: all(torch.equal(trained[a][k], trained[b][k]) for k in trained[a])  # noqa: E731
+    assert same("plain", "never")
+    assert not same("gated", "plain") and not same("gated", "always")
+    for bad in (-0.1, 1.5, True, math.nan):
+        with pytest.raises(ValueError, match="stretch_gate"):
+            train_local(FaultCNN(in_channels=1, num_classes=4, width=8), data, epochs=1, batch_size=8,
+                        lr=0.05, seed=1, device=torch.device("cpu"), stretch=1.5, stretch_gate=bad)

@@ -216,6 +216,7 @@ def train(msg: Message, context: Context) -> Message:
             penalty=received_penalty(msg, config, model, num_classes),
             grad_clip=config.local_grad_clip,
             stretch=config.local_stretch_at(server_round),
+            stretch_gate=config.local_stretch_gate,
             conditioned=conditioned,
             trainable=announced_masks(msg, model, config),
         )
