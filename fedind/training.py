@@ -133,6 +133,7 @@ class MomentumSGD:
 class TrainResult:
     loss: float  # mean training loss over the local steps
     steps: int
+    stretched_steps: int = 0  # steps on time-stretched batches (fewer than steps while a stretch gate held them back)
 
 
 def train_local(
@@ -190,8 +191,8 @@ def train_local(
     draws are those without it): a line sees its faults at the speeds of other lines.
     ``stretch_gate = g > 0`` holds the stretch back until the model has learnt something
     from the plain batches: stretching starts (for the rest of the call) at the first step
-    whose running loss is below ``g`` times the loss of a model that knows nothing
-    (:func:`chance_loss`), so a model still at chance learns the plain task first.
+    whose running class-balanced loss is below ``g`` times that of a model that knows
+    nothing (:func:`loss_to_chance`), so a model still at chance learns the plain task first.
 
     With the defaults the steps are exactly those of plain training.
     """
@@ -237,8 +238,8 @@ def train_local(
             f"a per-example logit adjustment needs one row per example and no replay: "
             f"got {tuple(adjust.shape)} for {len(data.y)} examples, replay={'on' if mix else 'off'}"
         )
-    total, steps = 0.0, 0
-    stretching, running = stretch_gate == 0.0, None  # running: the loss / chance loss, smoothed
+    total, steps, stretched_steps = 0.0, 0, 0
+    stretching, running = stretch_gate == 0.0, None  # running: loss_to_chance, smoothed
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=generator).to(device)
         for start in range(0, len(y), batch_size):
@@ -252,6 +253,7 @@ def train_local(
                 draw = torch.rand(2, generator=stretch_generator)
                 if stretching:
                     xb = time_stretch(xb, float(stretch ** (2 * draw[0] - 1)), float(draw[1]))
+                    stretched_steps += 1
             with _autocast(device):
                 logits = forward(xb)
                 batch_adjust = None if adjust is None else (adjust[batch] if per_example else adjust)
@@ -259,7 +261,7 @@ def train_local(
                     logits = logits + batch_adjust
                 loss = loss_fn(logits, yb)
             if not stretching:
-                ratio = float(loss.detach()) / chance_loss(yb, logits.shape[-1], batch_adjust)
+                ratio = loss_to_chance(logits.detach(), yb, batch_adjust)
                 running = ratio if running is None else 0.8 * running + 0.2 * ratio
                 stretching = running < stretch_gate
             if anchor is not None:
@@ -280,18 +282,25 @@ def train_local(
                     p.copy_(torch.where(keep, p, start))
             total += float(loss.detach())
             steps += 1
-    return TrainResult(loss=total / max(steps, 1), steps=steps)
+    return TrainResult(loss=total / max(steps, 1), steps=steps, stretched_steps=stretched_steps)
 
 
-def chance_loss(labels: torch.Tensor, num_classes: int, adjustment: torch.Tensor | None = None) -> float:
-    """The training loss of a model that knows nothing (all logits zero) on ``labels``:
-    ``log(num_classes)``, or with a logit adjustment the cross-entropy of the adjustment
-    alone (with ``tau = 1`` about the entropy of the site's labels). The yardstick of
-    ``train_local``'s stretch gate: a ratio, not a loss level, means the same on every line."""
-    if adjustment is None:
-        return math.log(num_classes)
-    rows = adjustment.float().expand(len(labels), num_classes) if adjustment.ndim == 1 else adjustment.float()
-    return max(float(nn.functional.cross_entropy(rows, labels)), 1e-6)
+def loss_to_chance(logits: torch.Tensor, labels: torch.Tensor, adjustment: torch.Tensor | None = None) -> float:
+    """How far ``logits`` (adjusted, as trained) are from knowing nothing: their class-balanced
+    cross-entropy (each class in the batch weighs the same) over that of all-zero logits
+    plus ``adjustment``. 1 at chance, towards 0 as the model separates the classes. Balanced,
+    so a line whose labels are mostly one class reads the same as a balanced one (a plain
+    mean would compare against that class's small entropy); the stretch gate's yardstick."""
+    know_nothing = torch.zeros_like(logits, dtype=torch.float32)
+    if adjustment is not None:
+        know_nothing = know_nothing + adjustment.float()
+    present, index = torch.unique(labels, return_inverse=True)
+    weights = 1.0 / torch.bincount(index, minlength=len(present)).float()[index]
+
+    def balanced(z: torch.Tensor) -> float:
+        return float((weights * nn.functional.cross_entropy(z.float(), labels, reduction="none")).sum()) / len(present)
+
+    return balanced(logits) / max(balanced(know_nothing), 1e-6)
 
 
 def _side_generator(seed: int, stream: int) -> torch.Generator:
