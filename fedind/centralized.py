@@ -65,9 +65,9 @@ def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
     model = FaultCNN(in_channels=data.x.shape[1], num_classes=max(num_classes, 2), width=config.model_width)
     tau = config.logit_adjustment
     adjustment = site_prior_adjustment(parts, model.head.out_features, tau) if tau > 0 else None
-    curve, gate = [], config.local_stretch_gate
+    curve = []
     for step in range(config.num_server_rounds):
-        result = train_local(
+        train_local(
             model,
             data,
             epochs=config.local_epochs,
@@ -78,10 +78,8 @@ def train_centralized(config: RunConfig, log_every: int = 0) -> dict:
             momentum=config.local_momentum,
             grad_clip=config.local_grad_clip,
             stretch=config.local_stretch_at(step + 1),
-            stretch_gate=gate,
             logit_adjustment=adjustment,
         )
-        gate = 0.0 if result.stretched_steps else gate  # latched, as at a site (fedind.site.app.stretch_gate_for)
         curve.append(evaluate(model, test_set, device).accuracy)
         if log_every and (step + 1) % log_every == 0:
             print(f"  epoch-block {step + 1}/{config.num_server_rounds}  accuracy {curve[-1]:.4f}", flush=True)

@@ -60,7 +60,6 @@ class RunConfig:
     local_stretch: float = 1.0  # site SGD: each batch time-scaled by a factor in [1/r, r] (other lines' speeds); 1 = off
     local_stretch_phase: int = 0  # first data phase whose batches are stretched (0 = from the start; 1 = once conditions first change)
     local_stretch_delay: int = 0  # local-stretch: its first rounds trained plain (the gearboxes' sparse uplink stalled at chance when the stretch came from round 1)
-    local_stretch_gate: float = 0.0  # local-stretch: a line trains plain until its class-balanced loss is below this share of a know-nothing model's, then stretched for the rest of the run (0 = from the first step)
     local_stretch_ramp: int = 0  # the stretch grows over this many rounds from its start: r**(k/ramp) in its k-th round (0 = whole at once)
     logit_adjustment: float = 0.5  # site loss on logits + tau * log(local label prior); 0 = plain cross-entropy
     model_width: int = 32  # channels of the first conv layer of FaultCNN
@@ -162,7 +161,6 @@ class RunConfig:
             "local-stretch": math.isfinite(self.local_stretch) and self.local_stretch >= 1,
             "local-stretch-phase": self.local_stretch_phase >= 0,
             "local-stretch-ramp": self.local_stretch_ramp >= 0,
-            "local-stretch-gate": 0 <= self.local_stretch_gate <= 1,
             "local-stretch-delay": self.local_stretch_delay >= 0,
             "logit-adjustment": math.isfinite(self.logit_adjustment) and self.logit_adjustment >= 0,
             "model-width": self.model_width >= 4 and self.model_width % 4 == 0,

@@ -133,7 +133,6 @@ class MomentumSGD:
 class TrainResult:
     loss: float  # mean training loss over the local steps
     steps: int
-    stretched_steps: int = 0  # steps on time-stretched batches (fewer than steps while a stretch gate held them back)
 
 
 def train_local(
@@ -156,7 +155,6 @@ def train_local(
     conditioned: torch.Tensor | None = None,
     trainable: Mapping[str, torch.Tensor] | None = None,
     stretch: float = 1.0,
-    stretch_gate: float = 0.0,
 ) -> TrainResult:
     """SGD with momentum over ``epochs`` passes of ``data`` (shuffled with ``seed``).
 
@@ -189,10 +187,6 @@ def train_local(
     ``stretch = r > 1``: every batch is time-scaled by a factor drawn log-uniformly from
     ``[1/r, r]`` (:func:`time_stretch`; a generator of its own, so the order and the replay
     draws are those without it): a line sees its faults at the speeds of other lines.
-    ``stretch_gate = g > 0`` holds the stretch back until the model has learnt something
-    from the plain batches: stretching starts (for the rest of the call) at the first step
-    whose running class-balanced loss is below ``g`` times that of a model that knows
-    nothing (:func:`loss_to_chance`), so a model still at chance learns the plain task first.
 
     With the defaults the steps are exactly those of plain training.
     """
@@ -205,8 +199,6 @@ def train_local(
         )
     if isinstance(stretch, bool) or not (isinstance(stretch, (int, float)) and 1.0 <= stretch < math.inf):
         raise ValueError(f"Invalid stretch value: {stretch!r} (expected a finite number >= 1; 1 = off)")
-    if isinstance(stretch_gate, bool) or not (isinstance(stretch_gate, (int, float)) and 0.0 <= stretch_gate <= 1.0):
-        raise ValueError(f"Invalid stretch_gate value: {stretch_gate!r} (expected a number in [0, 1]; 0 = off)")
     if replay is not None and replay.num_examples and replay.sample_shape != data.sample_shape:
         raise ValueError(f"replay windows {replay.sample_shape} differ from the data's {data.sample_shape}")
     model.to(device).train()
@@ -238,8 +230,7 @@ def train_local(
             f"a per-example logit adjustment needs one row per example and no replay: "
             f"got {tuple(adjust.shape)} for {len(data.y)} examples, replay={'on' if mix else 'off'}"
         )
-    total, steps, stretched_steps = 0.0, 0, 0
-    stretching, running = stretch_gate == 0.0, None  # running: loss_to_chance, smoothed
+    total, steps = 0.0, 0
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=generator).to(device)
         for start in range(0, len(y), batch_size):
@@ -251,19 +242,12 @@ def train_local(
                 xb, yb = torch.cat([xb, x_mem[pick]]), torch.cat([yb, y_mem[pick]])
             if stretch_generator is not None:
                 draw = torch.rand(2, generator=stretch_generator)
-                if stretching:
-                    xb = time_stretch(xb, float(stretch ** (2 * draw[0] - 1)), float(draw[1]))
-                    stretched_steps += 1
+                xb = time_stretch(xb, float(stretch ** (2 * draw[0] - 1)), float(draw[1]))
             with _autocast(device):
                 logits = forward(xb)
-                batch_adjust = None if adjust is None else (adjust[batch] if per_example else adjust)
-                if batch_adjust is not None:
-                    logits = logits + batch_adjust
+                if adjust is not None:
+                    logits = logits + (adjust[batch] if per_example else adjust)
                 loss = loss_fn(logits, yb)
-            if not stretching:
-                ratio = loss_to_chance(logits.detach(), yb, batch_adjust)
-                running = ratio if running is None else 0.8 * running + 0.2 * ratio
-                stretching = running < stretch_gate
             if anchor is not None:
                 prox = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
                 loss = loss + 0.5 * proximal_mu * prox
@@ -282,25 +266,7 @@ def train_local(
                     p.copy_(torch.where(keep, p, start))
             total += float(loss.detach())
             steps += 1
-    return TrainResult(loss=total / max(steps, 1), steps=steps, stretched_steps=stretched_steps)
-
-
-def loss_to_chance(logits: torch.Tensor, labels: torch.Tensor, adjustment: torch.Tensor | None = None) -> float:
-    """How far ``logits`` (adjusted, as trained) are from knowing nothing: their class-balanced
-    cross-entropy (each class in the batch weighs the same) over that of all-zero logits
-    plus ``adjustment``. 1 at chance, towards 0 as the model separates the classes. Balanced,
-    so a line whose labels are mostly one class reads the same as a balanced one (a plain
-    mean would compare against that class's small entropy); the stretch gate's yardstick."""
-    know_nothing = torch.zeros_like(logits, dtype=torch.float32)
-    if adjustment is not None:
-        know_nothing = know_nothing + adjustment.float()
-    present, index = torch.unique(labels, return_inverse=True)
-    weights = 1.0 / torch.bincount(index, minlength=len(present)).float()[index]
-
-    def balanced(z: torch.Tensor) -> float:
-        return float((weights * nn.functional.cross_entropy(z.float(), labels, reduction="none")).sum()) / len(present)
-
-    return balanced(logits) / max(balanced(know_nothing), 1e-6)
+    return TrainResult(loss=total / max(steps, 1), steps=steps)
 
 
 def _side_generator(seed: int, stream: int) -> torch.Generator:

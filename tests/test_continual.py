@@ -147,8 +147,6 @@ def test_local_stretch_waits_its_delay_then_ramps():
     assert [later.local_stretch_at(r) for r in (4, 9, 11, 12)] == [1.0, 1.0, 1.0, 1.25]
     with pytest.raises(ConfigError, match="local-stretch-delay"):
         RunConfig(local_stretch_delay=-1)
-    with pytest.raises(ConfigError, match="local-stretch-gate"):
-        RunConfig(local_stretch_gate=1.5)
 
 
 # --------------------------------------------------------------------------- drifting data

@@ -1,6 +1,5 @@
 """Local training: the label-prior logit adjustment (formula, and what it does to training)."""
 
-import json
 import math
 
 import numpy as np
@@ -9,14 +8,7 @@ import torch
 
 from fedind.data.format import SiteArrays
 from fedind.models import FaultCNN
-from fedind.training import (
-    _split_front_end,
-    loss_to_chance,
-    prior_logit_adjustment,
-    time_stretch,
-    train_local,
-    trained_label_counts,
-)
+from fedind.training import _split_front_end, prior_logit_adjustment, time_stretch, train_local, trained_label_counts
 from simulations.step_time import WholeModel
 
 
@@ -243,79 +235,3 @@ def test_stretched_training_is_seeded_and_off_at_one():
         with pytest.raises(ValueError, match="stretch"):
             train_local(FaultCNN(in_channels=1, num_classes=4, width=8), data, epochs=1, batch_size=8,
                         lr=0.05, seed=1, device=torch.device("cpu"), stretch=bad)
-
-
-def test_loss_to_chance_is_one_at_chance_and_weighs_classes_alike():
-    """Zero logits (plus the adjustment, as trained) read 1; confident right answers near 0; the
-    ratio is class-balanced, so one wrong rare class costs as much as a wrong common one."""
-    labels = torch.tensor([0, 0, 0, 0, 0, 0, 0, 1])
-    adjustment = prior_logit_adjustment([7, 1, 0, 0])
-    assert loss_to_chance(torch.zeros(8, 4), labels) == pytest.approx(1.0)
-    assert loss_to_chance(torch.zeros(8, 4) + adjustment, labels, adjustment) == pytest.approx(1.0)
-    right = torch.nn.functional.one_hot(labels, 4).float() * 20 + adjustment
-    assert loss_to_chance(right, labels, adjustment) < 0.01
-    rare_wrong = right.clone()
-    rare_wrong[7] = torch.tensor([20.0, 0, 0, 0]) + adjustment  # the one window of class 1 called class 0
-    assert loss_to_chance(rare_wrong, labels, adjustment) > 0.5  # half the classes are wrong
-
-
-def test_the_stretch_gate_trains_plain_until_the_model_beats_chance():
-    """``stretch_gate`` g: a gate the model never passes (g tiny) is plain training bit for
-    bit; a gate it passes (g = 0.9, each class its own rhythm) switches the stretch on
-    part-way, so the model is neither the plain one nor the one stretched from the first step."""
-    rng = np.random.default_rng(0)
-    y = np.array([0, 1, 2, 3] * 9)
-    t = np.arange(300)
-    rhythm = np.sin(2 * np.pi * t / (8 + 6 * y[:, None]) + rng.uniform(0, 6, (len(y), 1)))
-    data = SiteArrays(x=(rhythm + 0.3 * rng.standard_normal(rhythm.shape)).astype(np.float32)[:, None, :], y=y)
-    trained = {}
-    for name, extra in (("plain", {}), ("never", {"stretch": 1.5, "stretch_gate": 1e-6}),
-                        ("gated", {"stretch": 1.5, "stretch_gate": 0.9}), ("always", {"stretch": 1.5})):
-        torch.manual_seed(0)
-        model = FaultCNN(in_channels=1, num_classes=4, width=8)
-        train_local(model, data, epochs=4, batch_size=8, lr=0.05, seed=1, device=torch.device("cpu"), **extra)
-        trained[name] = model.state_dict()
-    same = lambda a, b: all(torch.equal(trained[a][k], trained[b][k]) for k in trained[a])  # noqa: E731
-    assert same("plain", "never")
-    assert not same("gated", "plain") and not same("gated", "always")
-    for bad in (-0.1, 1.5, True, math.nan):
-        with pytest.raises(ValueError, match="stretch_gate"):
-            train_local(FaultCNN(in_channels=1, num_classes=4, width=8), data, epochs=1, batch_size=8,
-                        lr=0.05, seed=1, device=torch.device("cpu"), stretch=1.5, stretch_gate=bad)
-
-
-@pytest.mark.usefixtures("flower_task_identity")
-def test_a_line_stretches_from_the_first_step_once_its_model_has_beaten_chance(tmp_path):
-    """The site agent latches the gate: a round in which the gate opened is written to the
-    line's state, and every later round trains stretched from its first step (gate 0)."""
-    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
-
-    from fedind import wire
-    from fedind.config import RunConfig
-    from fedind.data.format import write_split
-    from fedind.models import initial_state
-    from fedind.site import app as agent
-
-    rng = np.random.default_rng(0)
-    y = np.arange(48) % 4
-    rhythm = np.sin(2 * np.pi * np.arange(256) / (8 + 6 * y[:, None]) + rng.uniform(0, 6, (48, 1)))
-    write_split(tmp_path / "train.npz", SiteArrays((rhythm[:, None, :]).astype(np.float32), y.astype(np.int64)))
-
-    def train_round(config: RunConfig, context: Context, server_round: int) -> None:
-        content = RecordDict({
-            wire.ARRAYS: ArrayRecord({k: torch.from_numpy(v) for k, v in initial_state(0, 1, 4, 8).items()}),
-            wire.CONFIG: ConfigRecord({wire.RUN_CONFIG: json.dumps(config.to_flower()), wire.SERVER_ROUND: server_round}),
-        })
-        agent.site_from_dir.cache_clear()
-        agent.train(Message(content, message_type=MessageType.TRAIN, dst_node_id=7), context)
-
-    gated = RunConfig(local_epochs=4, batch_size=8, model_width=8, local_stretch=1.25,
-                      local_stretch_gate=0.9)
-    context = Context(run_id=1, node_id=7, node_config={"data-dir": str(tmp_path)}, state=RecordDict(), run_config={})
-    assert agent.stretch_gate_for(context, gated) == 0.9
-    train_round(gated, context, 1)
-    assert context.state[agent.STRETCH_GATE]["round"] == 1
-    assert agent.stretch_gate_for(context, gated) == 0.0
-    ungated = Context(run_id=1, node_id=7, node_config={"data-dir": str(tmp_path)}, state=RecordDict(), run_config={})
-    train_round(RunConfig(local_epochs=1, batch_size=8, model_width=8, local_stretch=1.25), ungated, 1)
-    assert agent.STRETCH_GATE not in ungated.state  # no gate, nothing to latch

@@ -132,17 +132,6 @@ def line_average(context: Context, model: dict[str, np.ndarray], model_round: in
     return average
 
 
-STRETCH_GATE = "stretch-gate"  # context.state: the round this line's model first beat chance
-
-
-def stretch_gate_for(context: Context, config: RunConfig) -> float:
-    """The stretch gate this round trains with: ``local-stretch-gate`` until the line's
-    model has once beaten chance with it, then 0 (stretched from the first step; a line
-    whose data drift at a phase change keeps stretching, which is what carries a new class
-    across speeds). The latch lives in ``context.state``, saved across restarts."""
-    return 0.0 if STRETCH_GATE in context.state else config.local_stretch_gate
-
-
 def _state(model: torch.nn.Module) -> ArrayRecord:
     return ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
 
@@ -211,7 +200,7 @@ def train(msg: Message, context: Context) -> Message:
     # still replies (0 examples, the model as received): its classes-seen and proposed rows
     # are how the server learns of the new class.
     if train_data.num_examples:
-        result = train_local(
+        train_local(
             model,
             train_data,
             epochs=config.local_epochs,
@@ -227,12 +216,9 @@ def train(msg: Message, context: Context) -> Message:
             penalty=received_penalty(msg, config, model, num_classes),
             grad_clip=config.local_grad_clip,
             stretch=config.local_stretch_at(server_round),
-            stretch_gate=stretch_gate_for(context, config),
             conditioned=conditioned,
             trainable=announced_masks(msg, model, config),
         )
-        if config.local_stretch_gate and result.stretched_steps and STRETCH_GATE not in context.state:
-            context.state[STRETCH_GATE] = ConfigRecord({"round": server_round})
     # What the server reads every round, and the site's cost. The replay buffer changes only
     # at phase ends: its figures ride the phase-end and final replies (docs/compression.md).
     metrics = MetricRecord(
