@@ -98,6 +98,16 @@ def field_values(fields: np.ndarray) -> np.ndarray:
     return (fields.astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
 
 
+def unpacked_fields(block: bytes, count: int, width: int, what: str, where: str) -> np.ndarray:
+    """The ``count`` LSB-first ``width``-bit fields of a packed block whose length was
+    checked already, as ``[count, width]`` bits (:func:`field_values` reads them); set
+    padding bits are a PayloadError naming ``what``."""
+    bits = np.unpackbits(np.frombuffer(block, dtype=np.uint8), bitorder="little")
+    if bits[count * width :].any():
+        raise PayloadError(f"{where}: {what} padding bits are set")
+    return bits[: count * width].reshape(count, width)
+
+
 def _rice_bits(gaps: np.ndarray, k: int) -> int:
     """Bits of the Rice code of ``gaps`` with parameter ``k``: a unary quotient and a stop
     bit per gap, and ``k`` remainder bits."""
@@ -258,10 +268,8 @@ def decode_codes(value_block: bytes, count: int, mode: str, where: str) -> np.nd
         if np.any(nibbles == 0x08):
             raise PayloadError(f"{where}: int4 code -8 out of range [-7, 7]")
         return np.where(nibbles >= 8, nibbles.astype(np.int16) - 16, nibbles).astype(np.int8)
-    bits = np.unpackbits(np.frombuffer(value_block, dtype=np.uint8), bitorder="little")
-    if bits[count:].any():
-        raise PayloadError(f"{where}: sign block padding bits are set")
-    return np.where(bits[:count] == 1, -1, 1).astype(np.int8)
+    signs = unpacked_fields(value_block, count, 1, "sign block", where)[:, 0]
+    return np.where(signs == 1, -1, 1).astype(np.int8)
 
 
 def decode_codes_v3(r: "Reader", count: int, mode: str, where: str) -> np.ndarray:
@@ -273,10 +281,7 @@ def decode_codes_v3(r: "Reader", count: int, mode: str, where: str) -> np.ndarra
     if low > levels or width > 7:
         raise PayloadError(f"{where}: value low {low} / width {width} out of range for {mode} (codes in [-{levels}, {levels}])")
     block = r.take((count * (1 + width) + 7) // 8, f"{where} value block")
-    bits = np.unpackbits(np.frombuffer(block, dtype=np.uint8), bitorder="little")
-    if bits[count * (1 + width) :].any():
-        raise PayloadError(f"{where}: value block padding bits are set")
-    fields = bits[: count * (1 + width)].reshape(count, 1 + width)
+    fields = unpacked_fields(block, count, 1 + width, "value block", where)
     mags = low + field_values(fields[:, 1:]).astype(np.int16)
     if np.any(mags > levels):
         raise PayloadError(f"{where}: {mode} code magnitude {int(mags.max())} > {levels}")
@@ -374,10 +379,7 @@ def table_size(symbols: int = HUFFMAN_SYMBOLS) -> int:
 def unpack_lengths(block: bytes, symbols: int, where: str) -> np.ndarray:
     """The code lengths of a table; a table whose code is over-full (Kraft sum > 1) or
     whose padding bits are set is a PayloadError."""
-    bits = np.unpackbits(np.frombuffer(block, dtype=np.uint8), bitorder="little")
-    if bits[symbols * _LENGTH_BITS :].any():
-        raise PayloadError(f"{where}: code-length table padding bits are set")
-    lengths = field_values(bits[: symbols * _LENGTH_BITS].reshape(symbols, _LENGTH_BITS)).astype(np.int64)
+    lengths = field_values(unpacked_fields(block, symbols, _LENGTH_BITS, "code-length table", where)).astype(np.int64)
     used = lengths[lengths > 0]
     if used.size and (np.ldexp(1.0, -used)).sum() > 1.0:
         raise PayloadError(f"{where}: code lengths {lengths.tolist()} are not a prefix code (Kraft sum > 1)")
